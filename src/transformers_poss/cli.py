@@ -1,0 +1,48 @@
+"""The `poss` command. Each subcommand lives beside the code it drives and registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (subcommand module, attribute): each module defines `add_subcommand(subparsers)` that sets `func` on its parser.
+SUBCOMMAND_MODULES = (
+    "transformers_poss.assets",
+    "transformers_poss.evaluation.cli",
+    "transformers_poss.training.cli",
+    "transformers_poss.hub",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="poss",
+        description="PosS (Position Specialists) speculative decoding for HuggingFace Transformers.",
+    )
+    parser.add_argument("--version", action="version", version=f"transformers-poss {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != module_name:
+                raise
+            continue
+        module.add_subcommand(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

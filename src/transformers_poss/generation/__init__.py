@@ -1,0 +1,12 @@
+"""Generation with PosS drafters: the generate() hook, chain candidate generator, draft trees, tree verification."""
+
+from .candidate_generator import PosSCandidateGenerator
+from .drafting import DraftSession, DraftTree, draft_chain, draft_tree
+from .hook import install_generate_hook, is_poss_drafter
+from .stats import GenerationStats
+from .tree_decoding import tree_assisted_decoding
+
+__all__ = [
+    "DraftSession", "DraftTree", "GenerationStats", "PosSCandidateGenerator", "draft_chain", "draft_tree",
+    "install_generate_hook", "is_poss_drafter", "tree_assisted_decoding",
+]

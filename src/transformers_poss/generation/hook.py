@@ -1,0 +1,161 @@
+"""The one `generate()` hook: lets `target.generate(..., assistant_model=drafter)` draft with a PosS drafter.
+
+transformers picks its candidate generator from a fixed chain with no registry, and its assisted loop verifies one
+chain only. Three `GenerationMixin` methods are wrapped; each passes straight through unless the assistant is a
+PosS drafter (recognised by `is_poss_drafter` / `config.model_type == "poss"`, not by class, so remote-code loads
+work too):
+
+- `_validate_generation_mode`: checks the request before any work (target compatibility, unsupported options);
+- `_assisted_decoding`: checks the inputs, binds the drafter, and runs the tree loop for `draft_mode="tree"`;
+- `_get_candidate_generator`: returns `PosSCandidateGenerator` for `draft_mode="chain"`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import transformers
+from packaging import version
+from transformers.generation.utils import GenerationMixin
+
+MIN_TRANSFORMERS = "5.24.0"
+MAX_TRANSFORMERS_EXCLUSIVE = "6.0.0"
+
+_HOOKED = {
+    "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
+    "_assisted_decoding": ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "streamer"),
+    "_get_candidate_generator": ("generation_config", "input_ids", "logits_processor", "assistant_model"),
+}
+_originals: dict = {}
+
+
+def is_poss_drafter(model) -> bool:
+    """Whether `model` is a PosS drafter (by attribute or config model type)."""
+    if model is None:
+        return False
+    return bool(getattr(model, "is_poss_drafter", False)) or getattr(getattr(model, "config", None), "model_type", None) == "poss"
+
+
+def check_transformers_version() -> None:
+    """Raise `ImportError` with a clear message if this transformers cannot host the hook."""
+    installed = version.parse(transformers.__version__)
+    if not version.parse(MIN_TRANSFORMERS) <= installed < version.parse(MAX_TRANSFORMERS_EXCLUSIVE):
+        raise ImportError(
+            f"transformers-poss supports transformers >={MIN_TRANSFORMERS},<{MAX_TRANSFORMERS_EXCLUSIVE}; "
+            f"transformers {transformers.__version__} is installed. Install a supported version, e.g. "
+            f"pip install 'transformers>={MIN_TRANSFORMERS},<{MAX_TRANSFORMERS_EXCLUSIVE}'."
+        )
+    for name, params in _HOOKED.items():
+        method = _originals.get(name) or getattr(GenerationMixin, name, None)
+        if method is None or not set(params) <= set(inspect.signature(method).parameters):
+            raise ImportError(
+                f"transformers {transformers.__version__} changed GenerationMixin.{name}, which transformers-poss "
+                "hooks; install a supported transformers version."
+            )
+
+
+# Options of `generate` a PosS drafter cannot honour yet: (generation_config attribute, unsupported when ...).
+def _unsupported_options(generation_config, generation_mode_kwargs) -> list[str]:
+    problems = []
+    if (generation_config.num_beams or 1) > 1:
+        problems.append(f"num_beams={generation_config.num_beams} (beam search)")
+    if (generation_config.num_return_sequences or 1) > 1:
+        problems.append(f"num_return_sequences={generation_config.num_return_sequences}")
+    if generation_config.return_dict_in_generate and generation_config.output_attentions:
+        problems.append("output_attentions=True")
+    if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
+        problems.append("output_hidden_states=True")
+    if generation_config.prompt_lookup_num_tokens is not None:
+        problems.append("prompt_lookup_num_tokens (prompt lookup is another assistant)")
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        problems.append(f"cache_implementation={generation_config.cache_implementation!r} (only the dynamic cache)")
+    if generation_mode_kwargs.get("synced_gpus"):
+        problems.append("synced_gpus=True")
+    if generation_mode_kwargs.get("assistant_tokenizer") is not None:
+        problems.append("assistant_tokenizer (a PosS drafter shares the target's vocabulary)")
+    return problems
+
+
+def validate_request(target, drafter, generation_config, generation_mode_kwargs) -> None:
+    """All checks that can run before any forward pass; raises `ValueError`."""
+    drafter.config.check_settings()
+    drafter.check_compatible(target)
+    problems = _unsupported_options(generation_config, generation_mode_kwargs)
+    if problems:
+        raise ValueError("generate() with a PosS drafter does not support: " + "; ".join(problems))
+    if drafter.config.draft_mode == "tree":
+        text_config = target.config.get_text_config()
+        layer_types = getattr(text_config, "layer_types", None) or []
+        window = getattr(text_config, "sliding_window", None)
+        if "sliding_attention" in layer_types and window is not None:
+            needed = generation_config.max_length + drafter.config.tree_total_tokens
+            if needed > window:
+                raise ValueError(
+                    f"This target has sliding-window layers (window {window}); tree verification is exact only while "
+                    f"max_length + tree_total_tokens ({needed}) stays within the window. Lower max_new_tokens, or use "
+                    "draft_mode='chain'."
+                )
+
+
+def install_generate_hook() -> None:
+    """Wrap the three `GenerationMixin` methods (idempotent). Raises `ImportError` on unsupported transformers."""
+    check_transformers_version()
+    if _originals:
+        return
+    for name in _HOOKED:
+        _originals[name] = getattr(GenerationMixin, name)
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        drafter = generation_mode_kwargs.get("assistant_model")
+        if is_poss_drafter(drafter):
+            validate_request(self, drafter, generation_config, generation_mode_kwargs)
+        return _originals["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
+
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
+        drafter = kwargs.get("assistant_model")
+        if not is_poss_drafter(drafter):
+            return _originals["_assisted_decoding"](
+                self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+            )
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"generate() with a PosS drafter supports batch size 1, got a batch of {input_ids.shape[0]}: "
+                "call generate once per prompt."
+            )
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                "generate() with a PosS drafter does not support padded inputs (an attention_mask with zeros); "
+                "pass the prompt without padding."
+            )
+        if getattr(drafter, "follow_target", True):
+            drafter.bind_target(self)
+        else:
+            drafter.bind_target(self, move=False)
+        drafter.eval()
+        if drafter.config.draft_mode == "chain":
+            return _originals["_assisted_decoding"](
+                self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
+            )
+        from .tree_decoding import tree_assisted_decoding
+
+        kwargs.pop("assistant_model")
+        for unused in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
+            kwargs.pop(unused, None)
+        return tree_assisted_decoding(
+            self, input_ids, logits_processor, stopping_criteria, generation_config, drafter, **kwargs
+        )
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, *args, **kwargs):
+        if not is_poss_drafter(assistant_model):
+            return _originals["_get_candidate_generator"](
+                self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                assistant_model, *args, **kwargs,
+            )
+        from .candidate_generator import PosSCandidateGenerator
+
+        return PosSCandidateGenerator(assistant_model, generation_config, logits_processor)
+
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin._assisted_decoding = _assisted_decoding
+    GenerationMixin._get_candidate_generator = _get_candidate_generator

@@ -1,0 +1,70 @@
+"""`GenerationStats`: what one `generate` call with a PosS drafter did, round by round."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..metrics import mean_acceptance_length, position_acceptance
+
+
+@dataclass
+class GenerationStats:
+    """Per-round record of a speculative `generate` call (`drafter.last_generation_stats`).
+
+    Attributes:
+        draft_mode: `"tree"` or `"chain"`.
+        tree_depth: draft positions per round (the length of `position_acceptance`).
+        acceptance_lengths: accepted draft tokens per round, bonus token excluded.
+        draft_seconds / verify_seconds / bookkeeping_seconds: wall time per round spent drafting, in the target's
+            verification forward and acceptance, and in cache compaction, feature feedback and stopping checks.
+        tree_sizes: verified tokens per round (root included).
+        new_tokens: tokens generated in total (prefill token included).
+    """
+
+    draft_mode: str
+    tree_depth: int
+    acceptance_lengths: list[int] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+    bookkeeping_seconds: list[float] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+
+    def record_round(self, accepted: int, tree_size: int, draft_s: float, verify_s: float, bookkeeping_s: float):
+        self.acceptance_lengths.append(int(accepted))
+        self.tree_sizes.append(int(tree_size))
+        self.draft_seconds.append(draft_s)
+        self.verify_seconds.append(verify_s)
+        self.bookkeeping_seconds.append(bookkeeping_s)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau = mean over rounds of (accepted + 1)."""
+        return mean_acceptance_length(self.acceptance_lengths)
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """[alpha_1, ..., alpha_depth], alpha_p = P(position p accepted | 1..p-1 accepted)."""
+        return position_acceptance(self.acceptance_lengths, self.tree_depth)
+
+    def time_split(self) -> dict[str, float]:
+        """Total seconds spent drafting, verifying and in bookkeeping."""
+        return {
+            "draft": sum(self.draft_seconds),
+            "verify": sum(self.verify_seconds),
+            "bookkeeping": sum(self.bookkeeping_seconds),
+        }
+
+    def summary(self) -> dict:
+        return {
+            "draft_mode": self.draft_mode,
+            "rounds": self.num_rounds,
+            "new_tokens": self.new_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "position_acceptance": self.position_acceptance,
+            "time_split_s": self.time_split(),
+        }

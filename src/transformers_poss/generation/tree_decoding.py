@@ -1,0 +1,237 @@
+"""Tree verification loop: draft a tree, verify it in one target forward, accept a path, compact, repeat.
+
+Entered from `target.generate(..., assistant_model=drafter)` when `drafter.config.draft_mode == "tree"`. It keeps
+what `generate` prepared: logits processors (and warpers when sampling), stopping criteria (max length, EOS,
+stop strings, user criteria), the streamer, and `return_dict_in_generate` with `sequences` (and `scores` /
+`logits` on request).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..modeling_poss import PosSDrafter, additive_mask
+from .drafting import DraftSession, DraftTree, draft_tree
+from .stats import GenerationStats
+
+
+def tree_assisted_decoding(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    drafter: PosSDrafter,
+    streamer=None,
+    **model_kwargs,
+):
+    """Speculative decoding with a PosS draft tree. `input_ids` is `[1, prompt_len]`; returns what generate returns."""
+    cache = model_kwargs["cache"]
+    config = drafter.config
+    session = DraftSession(drafter)
+    stats = GenerationStats(draft_mode="tree", tree_depth=config.tree_depth)
+    drafter.last_generation_stats = stats
+    do_sample = bool(generation_config.do_sample)
+    return_dict = generation_config.return_dict_in_generate
+    keep_scores = return_dict and generation_config.output_scores
+    keep_logits = return_dict and generation_config.output_logits
+    scores, raw_logits = [], []
+    device = input_ids.device
+
+    # Prefill: the prompt through the target; its first token is the first root.
+    prompt_len = input_ids.shape[1]
+    out = model(
+        input_ids=input_ids, position_ids=torch.arange(prompt_len, device=device)[None], cache=cache,
+        use_cache=True, output_hidden_states=-1, **_logits_to_keep(model, 1),
+    )
+    raw = out.logits[:, -1].to(dtype=torch.float32, device=device)
+    processed = logits_processor(input_ids, raw.clone()) if logits_processor else raw
+    token = _choose(processed[0], do_sample)
+    input_ids, emitted, finished = _append(input_ids, [token], [processed], stopping_criteria)
+    _record_outputs(scores, raw_logits, processed, raw, emitted, keep_scores, keep_logits)
+    if streamer is not None:
+        streamer.put(input_ids[:, -emitted:].cpu())
+    stats.new_tokens += emitted
+    session.commit(out.hidden_states[-1][0, :prompt_len], input_ids[0, 1 : prompt_len + 1])
+
+    while not finished:
+        start = time.perf_counter()
+        length = input_ids.shape[1]
+        depth = max(min(config.tree_depth, generation_config.max_length - length - 1), 0)
+        tree = draft_tree(session, input_ids[0, -1], depth, config.tree_top_k, config.tree_total_tokens)
+        drafted = time.perf_counter()
+
+        past = length - 1
+        out = model(
+            input_ids=tree.tokens[None].to(device),
+            position_ids=(past + tree.depths)[None].to(device),
+            attention_mask=_tree_attention_mask(model, tree, past, device),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=-1,
+        )
+        raw = out.logits[0].to(dtype=torch.float32, device=device)  # [n, V]
+        processed = _process_tree_logits(raw, tree, input_ids, logits_processor)
+        path, next_token = (_accept_sampling if do_sample else _accept_greedy)(processed, tree)
+        verified = time.perf_counter()
+
+        new_tokens = [tree.tokens[i] for i in path[1:]] + [next_token]
+        input_ids, emitted, finished = _append(
+            input_ids, new_tokens, [processed[i : i + 1] for i in path], stopping_criteria
+        )
+        _record_outputs(scores, raw_logits, processed[path], raw[path], emitted, keep_scores, keep_logits)
+        if streamer is not None:
+            streamer.put(input_ids[0, -emitted:].cpu())
+        stats.new_tokens += emitted
+        if not finished:
+            path_index = torch.tensor(path, device=device)
+            compact_cache(cache, torch.cat((torch.arange(past, device=device), past + path_index)))
+            session.end_round()
+            hidden = out.hidden_states[-1][0]
+            session.commit(hidden[path_index.to(hidden.device)], input_ids[0, -len(path):])
+        stats.record_round(len(path) - 1, len(tree), drafted - start, verified - drafted,
+                           time.perf_counter() - verified)
+
+    if streamer is not None:
+        streamer.end()
+    if return_dict:
+        return GenerateDecoderOnlyOutput(
+            sequences=input_ids,
+            scores=tuple(scores) if keep_scores else None,
+            logits=tuple(raw_logits) if keep_logits else None,
+            cache=cache,
+        )
+    return input_ids
+
+
+def _logits_to_keep(model, n: int) -> dict:
+    return {"logits_to_keep": n} if model._supports_logits_to_keep() else {}
+
+
+def _choose(processed: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Next token (0-dim) from processed logits `[V]`."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(processed, dim=-1), 1)[0]
+    return processed.argmax()
+
+
+def _append(input_ids, tokens, processed_rows, stopping_criteria):
+    """Append tokens one at a time, stopping at the first that meets a stopping criterion.
+
+    Returns (input_ids, number appended, finished).
+    """
+    for count, (token, row) in enumerate(zip(tokens, processed_rows), start=1):
+        input_ids = torch.cat((input_ids, token.reshape(1, 1).to(input_ids.device)), dim=-1)
+        if stopping_criteria(input_ids, row.reshape(1, -1)).any():
+            return input_ids, count, True
+    return input_ids, len(tokens), False
+
+
+def _record_outputs(scores, raw_logits, processed, raw, emitted, keep_scores, keep_logits):
+    if keep_scores:
+        scores.extend(processed[i : i + 1] for i in range(emitted))
+    if keep_logits:
+        raw_logits.extend(raw[i : i + 1] for i in range(emitted))
+
+
+def tree_allowed(tree: DraftTree, past: int) -> torch.Tensor:
+    """Bool attention pattern `[n, past + n]`: every node sees the whole past, its ancestors and itself."""
+    n = len(tree)
+    return torch.cat((torch.ones(n, past, dtype=torch.bool, device=tree.visible.device), tree.visible), dim=1)
+
+
+def _tree_attention_mask(model, tree: DraftTree, past: int, device):
+    """The 4D additive float mask `[1, 1, n, past + n]` (or Gemma3's per-layer-type dict of it)."""
+    mask = additive_mask(tree_allowed(tree, past).to(device), model.dtype)
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+    if layer_types:
+        return {layer_type: mask for layer_type in set(layer_types)}
+    return mask
+
+
+def _path_tokens(tree: DraftTree) -> torch.LongTensor:
+    """`[n, max_depth]`: the tokens of each node's path below the root (row i, columns < depth_i)."""
+    n, max_depth = len(tree), int(tree.depths.max())
+    paths = torch.zeros(n, max(max_depth, 1), dtype=torch.long, device=tree.tokens.device)
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    for i in range(1, n):
+        paths[i] = paths[parents[i]]
+        paths[i, depths[i] - 1] = tree.tokens[i]
+    return paths
+
+
+def _process_tree_logits(raw, tree: DraftTree, input_ids, logits_processor):
+    """Apply generate's logits processors at every node, each with its own prefix (the sequence up to that node)."""
+    if not logits_processor:
+        return raw
+    processed = torch.empty_like(raw)
+    paths = _path_tokens(tree).to(input_ids.device)
+    for depth in range(int(tree.depths.max()) + 1):
+        rows = (tree.depths == depth).nonzero().flatten().to(raw.device)
+        prefix = torch.cat((input_ids.expand(rows.shape[0], -1), paths[rows.to(paths.device), :depth]), dim=1)
+        processed[rows] = logits_processor(prefix, raw[rows].clone())
+    return processed
+
+
+def _children(tree: DraftTree) -> list[list[int]]:
+    children = [[] for _ in range(len(tree))]
+    for node, parent in enumerate(tree.parents.tolist()):
+        if parent >= 0:
+            children[parent].append(node)
+    return children
+
+
+def _accept_greedy(processed: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor]:
+    """Longest root path whose every token is the target's argmax; returns (node path from 0, next token)."""
+    target_choice = processed.argmax(dim=-1)
+    choices, tokens, children = target_choice.tolist(), tree.tokens.tolist(), _children(tree)
+    path = [0]
+    while True:
+        node = path[-1]
+        child = next((c for c in children[node] if tokens[c] == choices[node]), None)
+        if child is None:
+            return path, target_choice[node]
+        path.append(child)
+
+
+def _accept_sampling(processed: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor]:
+    """Multi-candidate rejection sampling for deterministic (top-k) drafts; keeps the target distribution.
+
+    At a node with target distribution p, children's tokens t_1..t_m are tried in turn: t_i is accepted with
+    probability p(t_i), else p(t_i) is set to 0 and p renormalised. If none is accepted the next token is sampled from
+    what is left of p. Each token t is thus output with probability exactly p(t).
+    """
+    tokens, children = tree.tokens.tolist(), _children(tree)
+    path = [0]
+    while True:
+        node = path[-1]
+        probs = torch.softmax(processed[node], dim=-1)
+        accepted = None
+        for child in children[node]:
+            token = tokens[child]
+            if torch.rand((), device=probs.device) < probs[token]:
+                accepted = child
+                break
+            probs[token] = 0.0
+            total = probs.sum()
+            if total <= 0:
+                break
+            probs = probs / total
+        if accepted is None:
+            return path, torch.multinomial(probs, 1)[0]
+        path.append(accepted)
+
+
+def compact_cache(cache, keep: torch.LongTensor) -> None:
+    """Keep only positions `keep` (sorted) in every layer of a `DynamicCache` (dim -2)."""
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        index = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)
+        layer.values = layer.values.index_select(-2, index)
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = layer.keys.shape[-2]

@@ -1,0 +1,296 @@
+"""`PosSDrafter`: a shared input projection and one decoder layer per group of draft positions.
+
+The drafter reads the target's last hidden state (after the final norm) `f_t` and the embedding of the next token
+`x_{t+1}`, and predicts `f_{t+1}`; the target's own `lm_head` turns predicted features into logits. Its decoder layers
+are the target family's own transformers classes, without the norm before attention. The token embedding and
+`lm_head` are the target's: they are bound by `bind_target` and never saved with the drafter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.utils import ModelOutput
+
+from .configuration_poss import PosSConfig
+
+# family -> (modeling module, decoder layer class, rotary embedding class), all from transformers itself.
+_FAMILY_CLASSES = {
+    "llama": ("llama", "LlamaDecoderLayer", "LlamaRotaryEmbedding"),
+    "mistral": ("mistral", "MistralDecoderLayer", "MistralRotaryEmbedding"),
+    "qwen2": ("qwen2", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding"),
+    "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding"),
+    "gemma3_text": ("gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding"),
+}
+
+
+def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module]]:
+    """The transformers decoder-layer and rotary-embedding classes of a target family."""
+    if model_type not in _FAMILY_CLASSES:
+        raise ValueError(f"PosS drafters support target families {tuple(_FAMILY_CLASSES)}, not {model_type!r}")
+    module_name, layer_name, rotary_name = _FAMILY_CLASSES[model_type]
+    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    return getattr(module, layer_name), getattr(module, rotary_name)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask `[q, k]` (True = attend) -> additive float mask `[1, 1, q, k]` (right for eager and sdpa)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def causal_allowed(query_len: int, past_len: int, device) -> torch.Tensor:
+    """Bool mask `[query_len, past_len + query_len]`: each query sees the past and itself and earlier queries."""
+    keys = torch.arange(past_len + query_len, device=device)
+    queries = torch.arange(query_len, device=device) + past_len
+    return keys[None, :] <= queries[:, None]
+
+
+@dataclass
+class PosSDrafterOutput(ModelOutput):
+    """
+    Args:
+        features (`torch.FloatTensor` of shape `(batch, seq, hidden)`): predicted next-position target features.
+        logits (`torch.FloatTensor` of shape `(batch, seq, vocab)`, *optional*): `lm_head(features)` over the draft
+            vocabulary (the target vocabulary unless `config.draft_vocab_size` is set).
+        cache (`DynamicCache`, *optional*): the drafter cache (one layer per specialist).
+    """
+
+    features: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    cache: DynamicCache | None = None
+
+
+class PosSPreTrainedModel(PreTrainedModel):
+    config_class = PosSConfig
+    base_model_prefix = "poss"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    _supports_attention_backend = True
+    _no_split_modules = []
+
+    def _init_weights(self, module):
+        std = self.config.target_config.get("initializer_range", 0.02)
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        else:
+            super()._init_weights(module)
+
+
+class PosSDrafter(PosSPreTrainedModel):
+    """PosS drafter: `fc(concat(embed(x_{t+1}), f_t))` then the specialist layer for the draft position.
+
+    Attributes:
+        fc: `Linear(2H -> H)`, shared by all specialists.
+        specialists: `num_specialists` decoder layers of the target family (input norm removed).
+        draft_lm_head: only with `config.draft_vocab_size`: `Linear(H -> Vd)` over the draft vocabulary, whose
+            token ids in the target vocabulary are the `draft_to_target` buffer.
+        last_generation_stats: statistics of the latest `generate` call that used this drafter.
+    """
+
+    is_poss_drafter = True  # what the generate() hook dispatches on (not isinstance: remote code is another class)
+
+    def __init__(self, config: PosSConfig):
+        super().__init__(config)
+        layer_config = config.layer_config()
+        layer_class, rotary_class = family_classes(config.target_model_type)
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.specialists = nn.ModuleList(layer_class(layer_config, layer_idx=i) for i in range(config.num_specialists))
+        for layer in self.specialists:
+            layer.input_layernorm = nn.Identity()
+        self.rotary_emb = rotary_class(config=layer_config)
+        self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        if config.draft_vocab_size is not None:
+            self.draft_lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+            self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_lm_head = None
+            self.draft_to_target = None
+        self._bound: dict[str, object] = {}
+        self.last_generation_stats = None
+        self.post_init()
+
+    # ---- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(
+        cls, target_model: PreTrainedModel, num_specialists: int = 1, positions_per_specialist: int = 1,
+        **config_overrides,
+    ) -> "PosSDrafter":
+        """A freshly initialised drafter for `target_model`, bound to it, on its `lm_head` device and dtype."""
+        config = PosSConfig.from_target_config(
+            target_model.config, num_specialists=num_specialists,
+            positions_per_specialist=positions_per_specialist, **config_overrides,
+        )
+        drafter = cls(config)
+        drafter.bind_target(target_model)
+        if drafter.draft_lm_head is not None:
+            drafter.init_draft_vocab(torch.arange(config.draft_vocab_size))
+        return drafter
+
+    # ---- binding to a target -----------------------------------------------------------------------------------
+    def check_compatible(self, target_model: PreTrainedModel) -> None:
+        """Raise `ValueError` if this drafter was not built for a target shaped like `target_model`."""
+        target_config = target_model.config.get_text_config()
+        expected = self.config.target_config
+        facts = {
+            "model_type (family)": (expected.get("model_type"), target_config.model_type),
+            "hidden_size": (expected.get("hidden_size"), target_config.hidden_size),
+            "vocab_size": (expected.get("vocab_size"), target_model.get_output_embeddings().weight.shape[0]),
+        }
+        for name, (drafter_value, target_value) in facts.items():
+            if drafter_value != target_value:
+                raise ValueError(
+                    f"This PosS drafter was built for a target with {name}={drafter_value!r}, but the target model "
+                    f"has {name}={target_value!r}: use a drafter trained for this target"
+                    f" ({self.config.target_name_or_path or 'unknown target'} is what this drafter names)."
+                )
+
+    def bind_target(self, target_model: PreTrainedModel, move: bool = True) -> "PosSDrafter":
+        """Use `target_model`'s embedding and `lm_head`; move the drafter beside the `lm_head` (device and dtype)."""
+        self.check_compatible(target_model)
+        lm_head = target_model.get_output_embeddings()
+        self._bound = {
+            "target": target_model,
+            "embed": target_model.get_input_embeddings(),
+            "lm_head": lm_head,
+            "softcap": getattr(target_model.config.get_text_config(), "final_logit_softcapping", None),
+        }
+        if move:
+            self.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        return self
+
+    @property
+    def bound_target(self) -> PreTrainedModel | None:
+        return self._bound.get("target")
+
+    def _require_bound(self) -> None:
+        if not self._bound:
+            raise RuntimeError(
+                "This PosSDrafter is not bound to a target: call `drafter.bind_target(target)` or pass it to "
+                "`target.generate(..., assistant_model=drafter)`."
+            )
+
+    def init_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """Set the draft vocabulary `[Vd]` (target ids) and copy the matching rows of the target's `lm_head`."""
+        self._require_bound()
+        ids = draft_to_target.to(device=self.fc.weight.device, dtype=torch.long)
+        if self.draft_lm_head is None or ids.shape != (self.config.draft_vocab_size,):
+            raise ValueError(f"draft_to_target must have shape ({self.config.draft_vocab_size},), got {tuple(ids.shape)}")
+        with torch.no_grad():
+            self.draft_to_target.copy_(ids)
+            weight = self._bound["lm_head"].weight
+            self.draft_lm_head.weight.copy_(weight[ids.to(weight.device)].to(self.draft_lm_head.weight))
+
+    # ---- the pieces of a forward -------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Target token embeddings `[B, S] -> [B, S, H]`, on the drafter's device and dtype."""
+        self._require_bound()
+        embed = self._bound["embed"]
+        return embed(input_ids.to(embed.weight.device)).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+
+    def project(self, input_ids: torch.LongTensor, features: torch.Tensor) -> torch.Tensor:
+        """Layer inputs `fc(concat(embed(input_ids), features))`: `[B, S]`, `[B, S, H]` -> `[B, S, H]`."""
+        features = features.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        return self.fc(torch.cat((self.embed(input_ids), features), dim=-1))
+
+    def run_specialist(
+        self,
+        specialist: int,
+        layer_inputs: torch.Tensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
+        """Run one specialist layer.
+
+        Args:
+            specialist: index in `[0, num_specialists)`.
+            layer_inputs: `[B, S, H]` outputs of `project`.
+            position_ids: `[B, S]` target positions of the inputs.
+            attention_mask: additive float `[B, 1, S, past + S]` (see `additive_mask`); `None` means causal.
+            cache: drafter cache; layer `specialist` of it holds this specialist's past keys/values.
+        Returns:
+            predicted features `[B, S, H]`.
+        """
+        if not 0 <= specialist < len(self.specialists):
+            raise IndexError(f"specialist {specialist} out of range [0, {len(self.specialists)})")
+        if attention_mask is None:
+            past = cache_length(cache, specialist)
+            allowed = causal_allowed(layer_inputs.shape[1], past, layer_inputs.device)
+            attention_mask = additive_mask(allowed, layer_inputs.dtype)
+        if self._rotary_takes_layer_type:
+            position_embeddings = self.rotary_emb(layer_inputs, position_ids, "full_attention")
+        else:
+            position_embeddings = self.rotary_emb(layer_inputs, position_ids)
+        return self.specialists[specialist](
+            layer_inputs,
+            attention_mask=attention_mask.to(layer_inputs.dtype),
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft logits `[..., H] -> [..., V]` (target `lm_head`) or `[..., Vd]` with a draft vocabulary."""
+        if self.draft_lm_head is not None:
+            return self.draft_lm_head(features)
+        self._require_bound()
+        lm_head = self._bound["lm_head"]
+        logits = lm_head(features.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype))
+        softcap = self._bound.get("softcap")
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits.to(features.device)
+
+    def to_target_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
+        """Map indices into `logits(...)`'s last dimension to target token ids."""
+        return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        features: torch.Tensor,
+        specialist: int = 0,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+        return_logits: bool = False,
+    ) -> PosSDrafterOutput:
+        """Predict the next target features (training and drafting).
+
+        Args:
+            input_ids: `[B, S]` the *next* token of each position (`x_{t+1}`).
+            features: `[B, S, H]` target (or previously predicted) features `f_t`.
+            specialist: which specialist layer to run.
+            position_ids: `[B, S]`; defaults to `past + arange(S)`.
+            attention_mask: additive float `[B, 1, S, past + S]`; `None` is causal.
+            cache: optional `DynamicCache`, one layer per specialist.
+            return_logits: also return `logits(features)`.
+        """
+        if position_ids is None:
+            past = cache_length(cache, specialist)
+            position_ids = torch.arange(past, past + input_ids.shape[1], device=self.fc.weight.device)[None]
+            position_ids = position_ids.expand(input_ids.shape[0], -1)
+        layer_inputs = self.project(input_ids, features)
+        predicted = self.run_specialist(specialist, layer_inputs, position_ids, attention_mask, cache)
+        return PosSDrafterOutput(
+            features=predicted, logits=self.logits(predicted) if return_logits else None, cache=cache
+        )
+
+
+def cache_length(cache: DynamicCache | None, layer: int) -> int:
+    """Number of positions cached in `layer` of `cache` (0 when absent)."""
+    if cache is None or layer >= len(cache.layers):
+        return 0
+    return cache.layers[layer].get_seq_length()
