@@ -47,7 +47,7 @@ def prompts(vocab_size: int = 96, count: int = 3, seed: int = 1) -> list[torch.L
     return [torch.randint(0, vocab_size, (1, n), generator=generator) for n in lengths]
 
 
-def fitted_drafter(target, num_specialists: int = 2, positions_per_specialist: int = 2, steps: int = 300,
+def fitted_drafter(target, num_specialists: int = 2, positions_per_specialist: int = 2, steps: int = 500,
                    seed: int = 0, **config):
     """A drafter briefly fitted (teacher forcing) to the target's own greedy continuations and features.
 

@@ -82,6 +82,12 @@ class PosSPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif "RotaryEmbedding" in type(module).__name__:
+            # Non-persistent RoPE buffers are not in checkpoints: recompute them (any family's layout of them).
+            fresh = type(module)(config=module.config)
+            with torch.no_grad():
+                for name, buffer in fresh.named_buffers():
+                    getattr(module, name).copy_(buffer)
         else:
             super()._init_weights(module)
 
@@ -136,6 +142,45 @@ class PosSDrafter(PosSPreTrainedModel):
         if drafter.draft_lm_head is not None:
             drafter.init_draft_vocab(torch.arange(config.draft_vocab_size))
         return drafter
+
+    @classmethod
+    def from_pretrained(
+        cls, pretrained_model_name_or_path, *model_args, num_specialists: int | None = None,
+        positions_per_specialist: int | None = None, **kwargs,
+    ):
+        """Load a native drafter folder / Hub repo, or convert an EAGLE-1/2, HASS or PosS research checkpoint.
+
+        Research checkpoints (a Llama `config.json` + `fc`/`layers.{i}` weights) are converted on load; PosS ones need
+        `num_specialists` and `positions_per_specialist` unless their repo is a known preset. See
+        `transformers_poss.research_checkpoint`.
+        """
+        from . import research_checkpoint
+
+        if pretrained_model_name_or_path is not None and research_checkpoint.is_research_checkpoint(
+            pretrained_model_name_or_path, **kwargs
+        ):
+            if model_args:
+                raise ValueError("positional model arguments are not supported for research checkpoints")
+            return research_checkpoint.load_research_drafter(
+                cls, pretrained_model_name_or_path, num_specialists=num_specialists,
+                positions_per_specialist=positions_per_specialist, **kwargs,
+            )
+        if num_specialists is not None or positions_per_specialist is not None:
+            raise ValueError(
+                "num_specialists / positions_per_specialist are read from a native drafter's config.json; they are "
+                "only accepted for research-format (EAGLE/HASS/PosS) checkpoints"
+            )
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none.
+
+        An existing README.md is never replaced. With `push_to_hub=True` the folder is uploaded with the card (see
+        `transformers_poss.hub.save_drafter`).
+        """
+        from .hub import save_drafter
+
+        return save_drafter(self, save_directory, *args, **kwargs)
 
     # ---- binding to a target -----------------------------------------------------------------------------------
     def check_compatible(self, target_model: PreTrainedModel) -> None:

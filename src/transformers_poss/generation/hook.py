@@ -83,18 +83,22 @@ def validate_request(target, drafter, generation_config, generation_mode_kwargs)
     problems = _unsupported_options(generation_config, generation_mode_kwargs)
     if problems:
         raise ValueError("generate() with a PosS drafter does not support: " + "; ".join(problems))
-    if drafter.config.draft_mode == "tree":
-        text_config = target.config.get_text_config()
-        layer_types = getattr(text_config, "layer_types", None) or []
-        window = getattr(text_config, "sliding_window", None)
-        if "sliding_attention" in layer_types and window is not None:
-            needed = generation_config.max_length + drafter.config.tree_total_tokens
-            if needed > window:
-                raise ValueError(
-                    f"This target has sliding-window layers (window {window}); tree verification is exact only while "
-                    f"max_length + tree_total_tokens ({needed}) stays within the window. Lower max_new_tokens, or use "
-                    "draft_mode='chain'."
-                )
+
+
+def check_sliding_window(target, drafter, prompt_length: int, max_length: int) -> None:
+    """Tree verification compacts the KV cache; on sliding-window layers that is exact only inside the window."""
+    if drafter.config.draft_mode != "tree":
+        return
+    text_config = target.config.get_text_config()
+    window = getattr(text_config, "sliding_window", None)
+    if "sliding_attention" in (getattr(text_config, "layer_types", None) or []) and window is not None:
+        needed = max(max_length, prompt_length) + drafter.config.tree_total_tokens
+        if needed > window:
+            raise ValueError(
+                f"This target has sliding-window layers (window {window}); tree verification is exact only while "
+                f"max_length + tree_total_tokens ({needed}) stays within the window. Lower max_new_tokens, or use "
+                "draft_mode='chain'."
+            )
 
 
 def install_generate_hook() -> None:
@@ -127,6 +131,7 @@ def install_generate_hook() -> None:
                 "generate() with a PosS drafter does not support padded inputs (an attention_mask with zeros); "
                 "pass the prompt without padding."
             )
+        check_sliding_window(self, drafter, input_ids.shape[1], generation_config.max_length)
         if getattr(drafter, "follow_target", True):
             drafter.bind_target(self)
         else:

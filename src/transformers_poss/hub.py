@@ -1,0 +1,456 @@
+"""Hub integration: model cards for PosS drafters, pushing with the card, and `poss card` / `poss convert`.
+
+**Card.** `render_card` fills the template `transformers_poss/hub_cards/drafter_card.md` (the one copy of the
+template text; the repository's top-level `hub_cards/` points to it) through `huggingface_hub.ModelCard`: YAML
+metadata (`library_name: transformers-poss`, `base_model` = the target when it is a Hub id, tags including
+`speculative-decoding`, `license`, `pipeline_tag: text-generation`, and `model-index` results with tau and speedup
+per dataset when a benchmark is given), a usage snippet, the drafter's configuration, its training record
+(`config.training_record`) and the benchmark table. `PosSDrafter.save_pretrained` writes the card as `README.md` when
+the folder has none (an existing README is never replaced); `push_drafter_to_hub` and
+`save_pretrained(..., push_to_hub=True)` upload it.
+
+**Benchmark JSON** (what `poss card --benchmark` reads and the benchmark runner writes)::
+
+    {
+      "results": [
+        {"dataset": "mt_bench", "method": "poss", "tokens_per_s": 41.2, "speedup": 1.83,
+         "mean_acceptance_length": 2.91, "position_acceptance": [0.74, 0.61, 0.52]},
+        {"dataset": "mt_bench", "method": "plain", "tokens_per_s": 22.5, "speedup": 1.0,
+         "mean_acceptance_length": null, "position_acceptance": []}
+      ],
+      "environment": {"device": "cpu", "dtype": "bfloat16", "transformers": "5.24.0"}
+    }
+
+- `results`: one row per (dataset, method). `dataset` and `method` are non-empty strings; `tokens_per_s` and
+  `speedup` (tokens/s over plain `generate` tokens/s, same run) are numbers; `mean_acceptance_length` (tau, see
+  `transformers_poss.metrics`) is a number, or null for methods that draft nothing; `position_acceptance` is the list
+  `[alpha_1, ..., alpha_depth]` (numbers; NaN or null where no round reached the position; empty when not drafting).
+  Other keys in a row are allowed and ignored.
+- Rows whose `method` starts with `"poss"` (case-insensitive) are this drafter's results: they go into
+  `model-index`. Other rows (`"plain"`, `"prompt_lookup"`, `"eagle2"`, ...) appear in the table for comparison.
+- `environment`: an object of free-form key/value pairs (device, dtype, versions, threads, prompts, ...), listed
+  under the table.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .configuration_poss import PosSConfig
+
+TEMPLATE_NAME = "drafter_card.md"
+LIBRARY_NAME = "transformers-poss"
+DEFAULT_LICENSE = "apache-2.0"
+CARD_TAGS = ("speculative-decoding", "poss", "eagle", "draft-model", "transformers")
+DRAFTER_METHOD_PREFIX = "poss"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_PUSH_OPTIONS = ("repo_id", "commit_message", "commit_description", "create_pr", "private", "revision", "tags")
+
+
+def template_path() -> Path:
+    """Path of the card template shipped with the package."""
+    return Path(str(resources.files("transformers_poss") / "hub_cards" / TEMPLATE_NAME))
+
+
+# ---- benchmark JSON -----------------------------------------------------------------------------------------------
+def _number_or_none(value, where: str, allow_none: bool) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"benchmark {where} must be a number{' or null' if allow_none else ''}, got {value!r}")
+    return float(value)
+
+
+def load_benchmark(source: str | os.PathLike | dict) -> dict:
+    """Read and check a benchmark JSON (path or already-parsed dict); see the module docstring for the format."""
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"benchmark file {path} does not exist")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"benchmark file {path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list) or not data["results"]:
+        raise ValueError('a benchmark must be an object with a non-empty "results" list')
+    environment = data.get("environment", {})
+    if not isinstance(environment, dict):
+        raise ValueError('benchmark "environment" must be an object')
+    rows = []
+    for i, row in enumerate(data["results"]):
+        where = f"results[{i}]"
+        if not isinstance(row, dict):
+            raise ValueError(f"benchmark {where} must be an object")
+        for key in ("dataset", "method"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise ValueError(f"benchmark {where}.{key} must be a non-empty string, got {row.get(key)!r}")
+        alphas = row.get("position_acceptance", [])
+        if not isinstance(alphas, list):
+            raise ValueError(f"benchmark {where}.position_acceptance must be a list")
+        rows.append({
+            **row,
+            "tokens_per_s": _number_or_none(row.get("tokens_per_s"), f"{where}.tokens_per_s", allow_none=False),
+            "speedup": _number_or_none(row.get("speedup"), f"{where}.speedup", allow_none=False),
+            "mean_acceptance_length": _number_or_none(
+                row.get("mean_acceptance_length"), f"{where}.mean_acceptance_length", allow_none=True
+            ),
+            "position_acceptance": [
+                _number_or_none(a, f"{where}.position_acceptance[{j}]", allow_none=True) for j, a in enumerate(alphas)
+            ],
+        })
+    return {"results": rows, "environment": environment}
+
+
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _is_drafter_method(method: str, prefixes: tuple[str, ...]) -> bool:
+    return method.lower().startswith(tuple(p.lower() for p in prefixes))
+
+
+# ---- the card -----------------------------------------------------------------------------------------------------
+def _config_of(source) -> PosSConfig:
+    if isinstance(source, PosSConfig):
+        return source
+    if isinstance(getattr(source, "config", None), PosSConfig):
+        return source.config
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a drafter folder (no config.json)")
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if config.get("model_type") != PosSConfig.model_type:
+        raise ValueError(
+            f"{path} is not a native PosS drafter folder (model_type {config.get('model_type')!r}); convert research "
+            "checkpoints first with `poss convert`"
+        )
+    return PosSConfig.from_pretrained(str(path))
+
+
+def _parameter_count(config: PosSConfig) -> int:
+    from .modeling_poss import PosSDrafter
+
+    with torch.device("meta"):
+        model = PosSDrafter(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _human(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.2f}{unit} ({count:,})"
+    return f"{count:,}"
+
+
+def _record_value(value) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return f"{value:{spec}}{suffix}" if _finite(value) else "–"
+
+
+def is_hub_id(name: str | None) -> bool:
+    """Whether `name` looks like a Hub repo id (`org/name`) and is not a local path."""
+    return bool(name) and bool(_HUB_ID.match(name)) and not Path(name).exists()
+
+
+def render_card(
+    source, benchmark: str | os.PathLike | dict | None = None, *, model_id: str | None = None,
+    license: str = DEFAULT_LICENSE, tags: list[str] | tuple[str, ...] = (),
+    drafter_methods: tuple[str, ...] = (DRAFTER_METHOD_PREFIX,),
+):
+    """The model card (`huggingface_hub.ModelCard`) of a drafter.
+
+    Args:
+        source: a `PosSDrafter`, its `PosSConfig`, or a native drafter folder.
+        benchmark: benchmark JSON path or dict (module docstring); adds the table and `model-index` results.
+        model_id: what the usage snippet passes to `PosSDrafter.from_pretrained` (repo id or folder); defaults to
+            the folder when `source` is one.
+        license: the card's license (match the target's terms where they apply).
+        tags: extra tags besides `CARD_TAGS`.
+        drafter_methods: benchmark `method` prefixes that are this drafter's results (for `model-index`).
+    """
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+    config = _config_of(source)
+    if model_id is None:
+        model_id = str(source) if isinstance(source, (str, os.PathLike)) else "path/to/this/drafter"
+    target = config.target_name_or_path
+    name = Path(model_id.rstrip("/")).name or "poss-drafter"
+    results, rows, environment_rows, positions = [], [], [], []
+    if benchmark is not None:
+        bench = load_benchmark(benchmark)
+        mine = [r for r in bench["results"] if _is_drafter_method(r["method"], drafter_methods)]
+        if not mine:
+            methods = sorted({r["method"] for r in bench["results"]})
+            raise ValueError(
+                f"the benchmark has no rows for this drafter (methods starting with {drafter_methods}); "
+                f"it has {methods}"
+            )
+        for r in mine:
+            common = dict(task_type="text-generation", task_name="Speculative decoding",
+                          dataset_type=r["dataset"], dataset_name=r["dataset"])
+            if _finite(r["mean_acceptance_length"]):
+                results.append(EvalResult(**common, metric_type="mean_acceptance_length",
+                                          metric_name=f"Mean acceptance length tau ({r['method']})",
+                                          metric_value=round(r["mean_acceptance_length"], 4)))
+            if _finite(r["speedup"]):
+                results.append(EvalResult(**common, metric_type="speedup",
+                                          metric_name=f"Speedup over plain generate ({r['method']})",
+                                          metric_value=round(r["speedup"], 4)))
+        depth = max(len(r["position_acceptance"]) for r in bench["results"])
+        positions = list(range(1, depth + 1))
+        for r in bench["results"]:
+            alphas = r["position_acceptance"] + [None] * (depth - len(r["position_acceptance"]))
+            rows.append({
+                "dataset": r["dataset"].replace("|", "\\|"), "method": r["method"].replace("|", "\\|"),
+                "tokens_per_s": _fmt(r["tokens_per_s"], ".1f"), "speedup": _fmt(r["speedup"], ".2f", "x"),
+                "tau": _fmt(r["mean_acceptance_length"], ".2f"),
+                "alphas": [_fmt(None if a is None else 100 * a, ".1f", "%") for a in alphas],
+            })
+        environment_rows = [(k, _record_value(v)) for k, v in bench["environment"].items()]
+    card_data = ModelCardData(
+        library_name=LIBRARY_NAME,
+        base_model=target if is_hub_id(target) else None,
+        tags=list(dict.fromkeys([*CARD_TAGS, *tags])),
+        license=license,
+        pipeline_tag="text-generation",
+        model_name=name,
+        eval_results=results or None,
+    )
+    record = dict(config.training_record or {})
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(template_path()),
+        title=f"{name}: PosS drafter" + (f" for {target}" if target else ""),
+        target=target,
+        target_url=f"https://huggingface.co/{target}" if is_hub_id(target) else target,
+        model_id=model_id,
+        config=config,
+        parameters=_human(_parameter_count(config)),
+        training_rows=[(k, _record_value(v)) for k, v in record.items()],
+        converted="converted_from" in record,
+        converted_from=record.get("converted_from"),
+        benchmark_rows=rows,
+        positions=positions,
+        environment_rows=environment_rows,
+    )
+
+
+def write_card(
+    source, folder: str | os.PathLike, *, overwrite: bool = False, model_id: str | None = None, **card_kwargs,
+) -> Path | None:
+    """Write `folder/README.md` unless one exists (or `overwrite`); returns the path written, or `None`."""
+    path = Path(folder) / "README.md"
+    if path.exists() and not overwrite:
+        return None
+    card = render_card(source, model_id=model_id if model_id is not None else str(folder), **card_kwargs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(str(card), encoding="utf-8")
+    return path
+
+
+# ---- saving and pushing -------------------------------------------------------------------------------------------
+def save_drafter(model, save_directory, *args, **kwargs):
+    """`PosSDrafter.save_pretrained`: transformers' save, then a README.md card when the folder has none.
+
+    With `push_to_hub=True` the folder is then uploaded with `push_folder` (options `repo_id`, `commit_message`,
+    `commit_description`, `create_pr`, `private`, `revision`, `tags`, `token`), keeping a README the repo already has.
+    """
+    from transformers import PreTrainedModel
+
+    signature = inspect.signature(PreTrainedModel.save_pretrained)
+    arguments = signature.bind(model, save_directory, *args, **kwargs).arguments
+    arguments.pop("self")
+    extra = dict(arguments.pop("kwargs", {}))
+    push = arguments.pop("push_to_hub", False)
+    main_process = arguments.get("is_main_process", True)
+    if not push:
+        PreTrainedModel.save_pretrained(model, **arguments, **extra)
+        if main_process:
+            write_card(model, save_directory)
+        return None
+    options = {k: extra.pop(k) for k in _PUSH_OPTIONS if k in extra}
+    if extra:
+        raise ValueError(f"save_pretrained(push_to_hub=True) got options it does not know: {sorted(extra)}")
+    if not main_process:
+        PreTrainedModel.save_pretrained(model, **arguments)
+        return None
+    repo_id = options.pop("repo_id", Path(save_directory).name)
+    return push_folder(
+        model, save_directory, repo_id, save=lambda folder: PreTrainedModel.save_pretrained(model, **arguments),
+        token=arguments.get("token"), **options,
+    )
+
+
+def push_drafter_to_hub(
+    model, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
+    private: bool | None = None, token: str | bool | None = None, revision: str | None = None, create_pr: bool = False,
+    max_shard_size: int | str = "50GB", tags: list[str] | None = None, benchmark=None, license: str = DEFAULT_LICENSE,
+    api=None,
+):
+    """`push_to_hub` for a drafter: save to a temporary folder the way transformers does, card included, and upload.
+
+    A README.md the Hub repo already has is kept (only `tags` are added to it); otherwise this drafter's card is
+    uploaded, with the repo id in its usage snippet. `api` defaults to `huggingface_hub.HfApi()`.
+    """
+    from transformers import PreTrainedModel
+
+    with tempfile.TemporaryDirectory() as folder:
+        return push_folder(
+            model, folder, repo_id,
+            save=lambda f: PreTrainedModel.save_pretrained(model, f, max_shard_size=max_shard_size),
+            commit_message=commit_message, commit_description=commit_description, private=private, token=token,
+            revision=revision, create_pr=create_pr, tags=tags, benchmark=benchmark, license=license, api=api,
+        )
+
+
+def _remote_card(api, repo_id: str, revision: str | None, token):
+    """The README.md already in the Hub repo (at `revision`, else the default branch), or `None`."""
+    from huggingface_hub import ModelCard
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    for rev in dict.fromkeys([revision, None]):
+        try:
+            if api.file_exists(repo_id, "README.md", revision=rev, token=token):
+                path = api.hf_hub_download(repo_id=repo_id, filename="README.md", revision=rev, token=token)
+                return ModelCard.load(path)
+            return None
+        except RevisionNotFoundError:
+            continue
+    return None
+
+
+def push_folder(
+    model, folder, repo_id: str, *, save, token=None, private: bool | None = None, revision: str | None = None,
+    create_pr: bool = False, commit_message: str | None = None, commit_description: str | None = None,
+    tags: list[str] | None = None, benchmark=None, license: str = DEFAULT_LICENSE, api=None,
+):
+    """Create the repo, `save(folder)`, add the card when absent, and commit the files that saving wrote.
+
+    Uploaded: every file written or changed by `save` (as transformers does) and README.md: the repo's own README
+    when it has one (with `tags` added), else the folder's README.md (this drafter's card unless the user wrote one).
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = api or HfApi()
+    repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    before = {p: p.stat().st_mtime for p in folder.rglob("*") if p.is_file()}
+    save(folder)
+    write_card(model, folder, model_id=repo_id, benchmark=benchmark, license=license, tags=tags or ())
+    remote_card = _remote_card(api, repo_id, revision, token)
+    operations = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        relative = path.relative_to(folder).as_posix()
+        if relative == "README.md" or any(part.startswith(".") for part in path.relative_to(folder).parts):
+            continue
+        if path not in before or path.stat().st_mtime > before[path]:
+            operations.append(CommitOperationAdd(path_in_repo=relative, path_or_fileobj=str(path)))
+    if remote_card is None:
+        operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(folder / "README.md")))
+    elif tags and not set(tags) <= set(remote_card.data.tags or []):
+        remote_card.data.tags = list(dict.fromkeys([*(remote_card.data.tags or []), *tags]))
+        operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(remote_card).encode()))
+    if revision is not None and not revision.startswith("refs/pr"):
+        api.create_branch(repo_id=repo_id, branch=revision, token=token, exist_ok=True)
+    return api.create_commit(
+        repo_id=repo_id, operations=operations, commit_message=commit_message or "Upload PosS drafter",
+        commit_description=commit_description, token=token, create_pr=create_pr, revision=revision,
+    )
+
+
+# ---- `poss card` and `poss convert` -------------------------------------------------------------------------------
+def _run_card(args) -> int:
+    card = render_card(
+        args.folder, args.benchmark, model_id=args.model_id, license=args.license,
+        drafter_methods=tuple(args.method) if args.method else (DRAFTER_METHOD_PREFIX,),
+    )
+    if args.output == "-":
+        sys.stdout.write(str(card))
+        return 0
+    output = Path(args.output) if args.output else Path(args.folder) / "README.md"
+    if output.exists() and not args.force:
+        raise ValueError(f"{output} exists; pass --force to replace it or --output to write elsewhere")
+    output.write_text(str(card), encoding="utf-8")
+    print(f"wrote {output}")
+    return 0
+
+
+def _run_convert(args) -> int:
+    from .research_checkpoint import convert_research_checkpoint
+
+    overrides = {"target_name_or_path": args.target_name_or_path} if args.target_name_or_path else {}
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    drafter = convert_research_checkpoint(
+        args.source, args.destination, num_specialists=args.num_specialists,
+        positions_per_specialist=args.positions_per_specialist, target=args.target, overwrite=args.overwrite,
+        dtype=dtype, **overrides,
+    )
+    if args.overwrite or args.license != DEFAULT_LICENSE:  # an earlier card describes other weights or license
+        write_card(drafter, args.destination, overwrite=True, license=args.license)
+    config = drafter.config
+    print(
+        f"wrote {args.destination}: {config.num_specialists} specialist(s), PosS-{config.positions_per_specialist}, "
+        f"target {config.target_name_or_path or 'not recorded (pass --target-name-or-path)'}"
+    )
+    return 0
+
+
+def _guarded(run):
+    def wrapped(args) -> int:
+        try:
+            return run(args)
+        except ValueError as error:
+            print(f"poss {args.command}: error: {error}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
+def add_subcommand(subparsers) -> None:
+    """Register `poss card` and `poss convert`."""
+    card = subparsers.add_parser(
+        "card", help="write the model card (README.md) of a drafter folder",
+        description="Render the model card of a native PosS drafter folder, optionally with benchmark results.",
+    )
+    card.add_argument("folder", help="native PosS drafter folder (config.json + weights)")
+    card.add_argument("--benchmark", help="benchmark JSON (format: transformers_poss.hub docstring)")
+    card.add_argument("--model-id", help="repo id for the usage snippet (default: the folder)")
+    card.add_argument("--license", default=DEFAULT_LICENSE, help=f"license metadata (default {DEFAULT_LICENSE})")
+    card.add_argument("--method", action="append", help="benchmark method prefix of this drafter's rows (default poss)")
+    card.add_argument("--output", help="where to write (default FOLDER/README.md; '-' prints the card)")
+    card.add_argument("--force", action="store_true", help="replace an existing README.md")
+    card.set_defaults(func=_guarded(_run_card))
+
+    convert = subparsers.add_parser(
+        "convert", help="convert an EAGLE/HASS/PosS research checkpoint to a native drafter folder",
+        description="Convert a research checkpoint (EAGLE-1/2, HASS, PosS layout) to a native PosS drafter folder "
+                    "(safetensors, full config.json, model card). See transformers_poss.research_checkpoint.",
+    )
+    convert.add_argument("source", help="research checkpoint folder or Hub repo id")
+    convert.add_argument("destination", help="output folder (absent or empty)")
+    convert.add_argument("--num-specialists", type=int, help="PosS layers (not recorded by PosS checkpoints)")
+    convert.add_argument("--positions-per-specialist", type=int, help="the k of PosS-k")
+    convert.add_argument("--target", help="local target model folder: check its embedding equals the stored one")
+    convert.add_argument("--target-name-or-path", help="the target's Hub id, recorded in config and card")
+    convert.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                         help="weights dtype (default: the checkpoint's)")
+    convert.add_argument("--license", default=DEFAULT_LICENSE, help=f"card license (default {DEFAULT_LICENSE})")
+    convert.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
+    convert.set_defaults(func=_guarded(_run_convert))

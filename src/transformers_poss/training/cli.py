@@ -1,0 +1,129 @@
+"""`poss train`, `poss features` and `poss distill`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+
+from .trainer import TrainingArguments
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One flag per `TrainingArguments` field (`--output-dir`, `--num-specialists`, ...)."""
+    hints = typing.get_type_hints(TrainingArguments)
+    for spec in dataclasses.fields(TrainingArguments):
+        kind = hints[spec.name]
+        options = {"help": spec.metadata.get("help", "")}
+        if isinstance(kind, types.UnionType):  # X | None
+            kind = next(k for k in typing.get_args(kind) if k is not type(None))
+        if spec.default is dataclasses.MISSING:
+            options["required"] = True
+        else:
+            options["default"] = spec.default
+            options["help"] += f" (default: {spec.default})"
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["type"] = kind
+        parser.add_argument(_flag(spec.name), dest=spec.name, **options)
+    return parser
+
+
+def arguments_from_namespace(namespace: argparse.Namespace) -> TrainingArguments:
+    names = {spec.name for spec in dataclasses.fields(TrainingArguments)}
+    return TrainingArguments(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+def build_train_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(
+        description="Train a PosS drafter (works under `accelerate launch`).")
+    return add_training_arguments(parser)
+
+
+def run_train(namespace: argparse.Namespace) -> int:
+    from .pipeline import run_training
+
+    args = arguments_from_namespace(namespace)
+    _, record = run_training(args)
+    print(json.dumps({"output_dir": args.output_dir, "steps": record["steps"], "tokens": record["tokens"],
+                      "validation_position_accuracy": record["validation_position_accuracy"]}, indent=2))
+    return 0
+
+
+def run_features(namespace: argparse.Namespace) -> int:
+    from .data import build_examples, load_records
+    from .features import extract_features
+    from .pipeline import load_target, load_tokenizer
+
+    target = load_target(namespace.target, namespace.target_gguf_file, namespace.target_dtype, namespace.device)
+    tokenizer = load_tokenizer(namespace.tokenizer or namespace.target,
+                               None if namespace.tokenizer else namespace.target_gguf_file)
+    records = load_records(namespace.data, split=namespace.data_split, limit=namespace.limit)
+    examples, stats = build_examples(tokenizer, records, namespace.max_length, progress=True)
+    metadata = {"data": namespace.data, "split": namespace.data_split, "limit": namespace.limit,
+                "max_length": namespace.max_length, "target_dtype": namespace.target_dtype, **stats}
+    manifest = extract_features(target, examples, namespace.output, batch_size=namespace.batch_size,
+                                shard_size=namespace.shard_size, metadata=metadata)
+    print(json.dumps({k: manifest[k] for k in ("examples", "tokens", "bytes", "bytes_per_token", "shards")},
+                     indent=2))
+    return 0
+
+
+def run_distill(namespace: argparse.Namespace) -> int:
+    from .data import load_records
+    from .distill import self_distill
+    from .pipeline import load_target, load_tokenizer
+
+    target = load_target(namespace.target, namespace.target_gguf_file, namespace.target_dtype, namespace.device)
+    tokenizer = load_tokenizer(namespace.tokenizer or namespace.target,
+                               None if namespace.tokenizer else namespace.target_gguf_file)
+    records = load_records(namespace.data, split=namespace.data_split, limit=namespace.limit)
+    stats = self_distill(target, tokenizer, records, namespace.output, batch_size=namespace.batch_size,
+                         max_new_tokens=namespace.max_new_tokens, max_prompt_length=namespace.max_prompt_length,
+                         do_sample=namespace.temperature > 0, temperature=namespace.temperature or 1.0)
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+def _target_and_data(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target model folder or Hub id")
+    parser.add_argument("--target-gguf-file", default=None, help="GGUF file name inside --target")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
+    parser.add_argument("--target-dtype", default="bfloat16", help="target dtype (default: bfloat16)")
+    parser.add_argument("--device", default=None, help="device of the target (default: cpu)")
+    parser.add_argument("--data", required=True, help="conversations: .json/.jsonl, save_to_disk folder, datasets id")
+    parser.add_argument("--data-split", default="train")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many conversations")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--batch-size", type=int, default=8)
+
+
+def add_subcommand(subparsers) -> None:
+    train = subparsers.add_parser(
+        "train", help="train a PosS drafter (online or offline target features; resumable)",
+        description="Train a PosS drafter with the unrolled training-time-test objective. Multi-GPU: "
+                    "`accelerate launch -m transformers_poss.cli train ...` or examples/train_poss.py.")
+    build_train_parser(train)
+    train.set_defaults(func=run_train)
+
+    features = subparsers.add_parser(
+        "features", help="extract target features to disk once (memory-mapped datasets, resumable)")
+    _target_and_data(features)
+    features.add_argument("--max-length", type=int, default=2048)
+    features.add_argument("--shard-size", type=int, default=1024, help="examples per shard (resume granularity)")
+    features.set_defaults(func=run_features)
+
+    distill = subparsers.add_parser(
+        "distill", help="regenerate assistant turns with the target itself (self-distillation, resumable jsonl)")
+    _target_and_data(distill)
+    distill.add_argument("--max-new-tokens", type=int, default=512)
+    distill.add_argument("--max-prompt-length", type=int, default=2048)
+    distill.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    distill.set_defaults(func=run_distill)

@@ -1,0 +1,284 @@
+"""The unrolled "training-time test" objective (HASS, as PosS trains it), with position specialists.
+
+Sequence `x_0 .. x_{L-1}` with target features `f_0 .. f_{L-1}`; drafter position `t` (`0 <= t < T = L - 1`) holds
+`(x_{t+1}, f_t)` and predicts `f_{t+1}`, whose logits draft `x_{t+2}`.
+
+Step `j = 0 .. depth-1` plays inference draft position `j + 1`. For a query at `t` it mirrors a round whose committed
+context is positions `0 .. t-j` (so `S = t - j + 1`) and whose draft levels `1 .. j` sit at positions
+`t-j+1 .. t`:
+
+- input set 0: `I_0[s] = fc(embed(x_{s+1}), f_s)` (target features, the committed context);
+- input set `i >= 1`: `I_i[s] = fc(embed(x_{s+1}), P_{i-1}[s-1])`: the level-`i` node at position `s`, i.e. the
+  (ground-truth) drafted token with the feature the drafter predicted at step `i-1` one position earlier (detached);
+- step `j` runs specialist `config.specialist_for_position(j + 1)` with queries `I_j` and keys/values of sets
+  `0 .. j` computed with that specialist's own weights, under the mask
+  `allowed[t, (i, s)] = (i == 0 and s <= t - j) or (i >= 1 and s == t - j + i)`.
+
+That is, position by position, what `DraftSession` feeds the same specialist at depth `j + 1` (test:
+`tests/test_training.py::test_unrolled_steps_equal_inference_drafting`). Queries with `t < j` have no committed
+context and are not trained. Attention is dense over the `(j + 1) * T` keys (SDPA/eager with an additive mask);
+a specialist that joins at step `j` first records keys/values of sets `0 .. j-1` with a projection-only pass.
+
+Loss of step `j` (mean over its trained positions): `SmoothL1(P_j, f_{t+1})` (mean over features) plus
+`soft_ce_weight * CE(softmax(target logits of f_{t+1}), log_softmax(draft logits of P_j))`, over the draft vocabulary
+(target `lm_head` rows of `draft_to_target` for the target side, the drafter's `draft_lm_head` for the draft side)
+when `config.draft_vocab_size` is set, else over the target vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.utils import ModelOutput
+
+from ..modeling_poss import PosSDrafter, additive_mask
+
+
+def unrolled_allowed(length: int, step: int, device=None) -> torch.Tensor:
+    """Bool attention pattern `[T, (step + 1) * T]` of unroll step `step` (True = attend); key blocks are input
+    sets `0 .. step`, each of `T = length` positions."""
+    t = torch.arange(length, device=device)[:, None]
+    s = torch.arange(length, device=device)[None, :]
+    blocks = [s <= t - step] + [s == t - step + i for i in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def prediction_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Trained drafter positions `[B, T]` from the token loss mask `[B, L]`: position `t` trains when the token it
+    drafts, `x_{t+2}`, is an assistant token (the last position, whose drafted token is past the end, does not)."""
+    mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.bool)
+    mask[:, :-1] = loss_mask[:, 2:].bool()
+    return mask
+
+
+class _KVSets:
+    """Duck-typed cache of one specialist during an unrolled forward: keys/values of the input sets run so far.
+
+    With `record_only`, `update` stores the new keys/values and hands the attention a single key (a cheap, discarded
+    attention), so a projection-only pass over earlier sets costs no quadratic attention.
+    """
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.sets = 0
+        self.record_only = False
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        self.keys.append(key_states)
+        self.values.append(value_states)
+        if self.record_only:
+            return key_states[..., :1, :], value_states[..., :1, :]
+        return torch.cat(self.keys, dim=-2), torch.cat(self.values, dim=-2)
+
+
+def _position_embeddings(drafter: PosSDrafter, hidden: torch.Tensor, position_ids: torch.Tensor):
+    if "layer_type" in inspect.signature(drafter.rotary_emb.forward).parameters:
+        return drafter.rotary_emb(hidden, position_ids, "full_attention")
+    return drafter.rotary_emb(hidden, position_ids)
+
+
+def _record_sets(drafter: PosSDrafter, specialist: int, sets: list[torch.Tensor], store: _KVSets) -> None:
+    """Keys/values of input sets `[B, T, H]` each, with `specialist`'s weights, appended to `store` (no MLP)."""
+    batch, length, _ = sets[0].shape
+    hidden = torch.cat(sets, dim=1)
+    positions = torch.arange(length, device=hidden.device).repeat(len(sets))[None].expand(batch, -1)
+    attention = drafter.specialists[specialist].self_attn
+    mask = torch.zeros(1, 1, hidden.shape[1], 1, dtype=hidden.dtype, device=hidden.device)
+    store.record_only = True
+    try:
+        attention(hidden_states=hidden, position_embeddings=_position_embeddings(drafter, hidden, positions),
+                  attention_mask=mask, cache=store)
+    finally:
+        store.record_only = False
+    store.sets += len(sets)
+
+
+def check_trainable(drafter: PosSDrafter, depth: int) -> None:
+    """Raise `ValueError` when `depth` leaves a specialist untrained or the attention cannot take 4D masks."""
+    config = drafter.config
+    if not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"unroll depth must be an integer >= 1, got {depth!r}")
+    used = {config.specialist_for_position(p) for p in range(1, depth + 1)}
+    if len(used) < config.num_specialists:
+        needed = (config.num_specialists - 1) * config.positions_per_specialist + 1
+        raise ValueError(
+            f"unroll depth {depth} never reaches specialists {sorted(set(range(config.num_specialists)) - used)}: "
+            f"use depth >= {needed} for {config.num_specialists} specialists x {config.positions_per_specialist} "
+            "positions"
+        )
+    implementation = drafter.specialists[0].self_attn.config._attn_implementation
+    if implementation not in ("sdpa", "eager"):
+        raise ValueError(f"training needs the sdpa or eager attention (4D masks), the drafter uses {implementation!r}")
+
+
+def unrolled_forward(
+    drafter: PosSDrafter, input_ids: torch.LongTensor, features: torch.Tensor, depth: int,
+) -> list[torch.Tensor]:
+    """Predicted features of each unroll step.
+
+    Args:
+        input_ids: `[B, L]` tokens.
+        features: `[B, L, H]` target features used as step-0 inputs (noised in training).
+        depth: unroll steps (inference draft positions 1 .. depth).
+    Returns:
+        `depth` tensors `[B, T, H]` (`T = L - 1`); entry `j` at position `t` predicts `f_{t+1}` as draft position
+        `j + 1` of a round with committed context `0 .. t - j` (meaningful for `t >= j`).
+    """
+    config = drafter.config
+    next_tokens = input_ids[:, 1:]
+    batch, length = next_tokens.shape
+    if length < 1:
+        raise ValueError("sequences need at least 2 tokens")
+    positions = torch.arange(length, device=input_ids.device)[None].expand(batch, -1)
+    sets: list[torch.Tensor] = []
+    stores: dict[int, _KVSets] = {}
+    predictions: list[torch.Tensor] = []
+    for step in range(depth):
+        if step == 0:
+            step_features = features[:, :-1]
+        else:
+            previous = predictions[-1].detach()
+            step_features = torch.cat((torch.zeros_like(previous[:, :1]), previous[:, :-1]), dim=1)
+        layer_inputs = drafter.project(next_tokens, step_features)
+        specialist = config.specialist_for_position(step + 1)
+        store = stores.setdefault(specialist, _KVSets())
+        if store.sets < step:
+            _record_sets(drafter, specialist, sets[store.sets: step], store)
+        sets.append(layer_inputs)
+        mask = additive_mask(unrolled_allowed(length, step, layer_inputs.device), layer_inputs.dtype)
+        predictions.append(drafter.run_specialist(specialist, layer_inputs, positions, mask, cache=store))
+        store.sets += 1
+    return predictions
+
+
+@dataclass
+class ObjectiveOutput(ModelOutput):
+    """Loss and per-step metrics of one batch (metrics are detached sums, for exact aggregation).
+
+    Attributes:
+        loss: scalar, sum over steps of `weight_j * (feature loss + soft_ce_weight * soft CE)`.
+        feature_loss, soft_ce: `[depth]` per-step means.
+        correct: `[depth]` positions where the draft top-1 equals the target's top-1 token.
+        count: `[depth]` trained positions per step.
+    """
+
+    loss: torch.Tensor | None = None
+    feature_loss: torch.Tensor | None = None
+    soft_ce: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+
+
+class UnrolledObjective(nn.Module):
+    """Wraps a bound drafter so `accelerate`/DDP see one module whose `forward` returns the training loss.
+
+    The target (embedding, `lm_head`) stays outside the module: it is bound to the drafter, frozen, not saved.
+    """
+
+    def __init__(self, drafter: PosSDrafter, depth: int, soft_ce_weight: float = 0.1,
+                 step_weights: list[float] | None = None):
+        super().__init__()
+        check_trainable(drafter, depth)
+        if drafter.bound_target is None:
+            raise ValueError("bind the drafter to its target before training (`drafter.bind_target(target)`)")
+        if step_weights is not None and len(step_weights) != depth:
+            raise ValueError(f"step_weights needs {depth} entries, got {len(step_weights)}")
+        self.drafter = drafter
+        self.depth = depth
+        self.soft_ce_weight = soft_ce_weight
+        self.step_weights = list(step_weights) if step_weights is not None else [1.0] * depth
+
+    # ---- target side --------------------------------------------------------------------------------------------
+    def _target_head(self) -> tuple[torch.Tensor, float | None]:
+        target = self.drafter.bound_target
+        weight = target.get_output_embeddings().weight
+        softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+        return weight, softcap
+
+    @torch.no_grad()
+    def target_logits(self, features: torch.Tensor, draft_vocab: bool = True) -> torch.Tensor:
+        """Target logits `[N, V]` (or `[N, Vd]` over the draft vocabulary) of target features `[N, H]`, float32."""
+        weight, softcap = self._target_head()
+        if draft_vocab and self.drafter.draft_to_target is not None:
+            weight = weight[self.drafter.draft_to_target.to(weight.device)]
+        logits = F.linear(features.to(device=weight.device, dtype=weight.dtype), weight).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits.to(features.device)
+
+    @torch.no_grad()
+    def target_argmax(self, features: torch.Tensor, chunk: int = 1024) -> torch.LongTensor:
+        """The target's greedy token `[N]` for features `[N, H]` (full vocabulary, in chunks)."""
+        return torch.cat([self.target_logits(part, draft_vocab=False).argmax(-1)
+                          for part in features.split(chunk)]) if features.shape[0] else \
+            torch.zeros(0, dtype=torch.long, device=features.device)
+
+    # ---- loss ---------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.LongTensor, features: torch.Tensor, loss_mask: torch.Tensor,
+                input_features: torch.Tensor | None = None, target_argmax: torch.LongTensor | None = None,
+                **unused) -> ObjectiveOutput:
+        """
+        Args:
+            input_ids: `[B, L]`; features: `[B, L, H]` clean target features (the regression targets);
+            loss_mask: `[B, L]` assistant tokens; input_features: `[B, L, H]` step-0 inputs (noised), defaults to
+            `features`; target_argmax: `[B, L]` the target's greedy token after each position (computed when None).
+        """
+        drafter = self.drafter
+        predictions = unrolled_forward(drafter, input_ids, features if input_features is None else input_features,
+                                       self.depth)
+        trained = prediction_mask(loss_mask)  # [B, T]
+        rows, cols = trained.nonzero(as_tuple=True)
+        goal = features[:, 1:][rows, cols].float()  # [N, H] f_{t+1}
+        target_probs = torch.softmax(self.target_logits(goal), dim=-1)  # [N, V']
+        if target_argmax is not None:
+            greedy = target_argmax[:, 1:][rows, cols]
+        else:
+            greedy = self.target_argmax(goal)
+        device = goal.device
+        total = torch.zeros((), device=device)
+        feature_losses, soft_ces, corrects, counts = [], [], [], []
+        for step, predicted in enumerate(predictions):
+            keep = cols >= step  # a committed context exists
+            pred = predicted[rows[keep], cols[keep]]
+            n = int(keep.sum())
+            if n == 0:
+                zero = predicted.sum() * 0.0  # keeps every parameter in the graph (DDP)
+                total = total + zero
+                feature_losses.append(zero.detach().float())
+                soft_ces.append(zero.detach().float())
+                corrects.append(torch.zeros((), device=device))
+                counts.append(torch.zeros((), device=device))
+                continue
+            feature_loss = F.smooth_l1_loss(pred.float(), goal[keep], reduction="none").mean(-1).mean()
+            logits = drafter.logits(pred).float()
+            soft_ce = -(target_probs[keep] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            total = total + self.step_weights[step] * (feature_loss + self.soft_ce_weight * soft_ce)
+            with torch.no_grad():
+                top = drafter.to_target_ids(logits.argmax(-1))
+                corrects.append((top == greedy[keep]).sum().float())
+            feature_losses.append(feature_loss.detach())
+            soft_ces.append(soft_ce.detach())
+            counts.append(torch.tensor(float(n), device=device))
+        return ObjectiveOutput(
+            loss=total, feature_loss=torch.stack(feature_losses), soft_ce=torch.stack(soft_ces),
+            correct=torch.stack(corrects), count=torch.stack(counts),
+        )
+
+
+def feature_noise(features: torch.Tensor, lengths: torch.Tensor, scale: float,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Uniform input noise as EAGLE/HASS add it: `(U - 0.5) * scale * 512 / length`, per sequence.
+
+    Args:
+        features: `[B, L, H]`; lengths: `[B]` real lengths; scale: 0.2 in the reference recipe (0 disables).
+    """
+    if scale == 0:
+        return features
+    noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
+    amplitude = (scale * 512.0 / lengths.clamp(min=1).float()).to(features.device)[:, None, None]
+    return (features.float() + (noise - 0.5) * amplitude).to(features.dtype)

@@ -1,0 +1,28 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from tiny_models import fitted_drafter, tiny_target  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def fitted_pairs():
+    """One (target, fitted drafter) per family, built once per session (a few seconds each)."""
+    cache = {}
+
+    def get(family: str, attn_implementation: str = "sdpa"):
+        key = (family, attn_implementation)
+        if key not in cache:
+            target = tiny_target(family, attn_implementation=attn_implementation)
+            cache[key] = (target, fitted_drafter(target, tree_depth=4, tree_top_k=3, tree_total_tokens=12))
+        return cache[key]
+
+    return get

