@@ -205,6 +205,16 @@ def test_push_uploads_weights_config_and_card(target, tmp_path):
     assert torch.equal(load_file(str(weights_file))["fc.weight"], drafter.fc.weight.detach())
 
 
+def test_drafter_push_to_hub_uploads_our_card(target, tmp_path):
+    drafter = PosSDrafter.from_target(target, target_name_or_path="org/t")
+    api = RecordingApi(tmp_path=tmp_path)
+    files = drafter.push_to_hub("org/pushed-method", api=api)
+    assert api.commits and {"README.md", "model.safetensors", "config.json"} <= set(files)
+    card = files["README.md"].decode()
+    assert "speculative-decoding" in _front_matter(card)["tags"]
+    assert 'PosSDrafter.from_pretrained("org/pushed-method")' in card
+
+
 def test_push_keeps_the_repo_readme(target, tmp_path):
     drafter = PosSDrafter.from_target(target)
     remote = "---\ntags:\n- theirs\n---\n# Their card\n"
@@ -463,3 +473,17 @@ def test_loader_option_errors(target, tmp_path):
     (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="holds none of"):
         PosSDrafter.from_pretrained(tmp_path / "empty")
+
+
+def test_hub_repo_id_path_reads_a_cached_snapshot_and_applies_the_preset(target, tmp_path):
+    """The Hub code path (repo id -> config lookup -> snapshot_download) on a pre-filled local cache, offline."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--HINT-lab--PosS3-Llama2-13B-Chat"
+    write_research_checkpoint(repo / "snapshots" / commit, target, layers=2, fmt="bin")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    drafter = PosSDrafter.from_pretrained("HINT-lab/PosS3-Llama2-13B-Chat", cache_dir=tmp_path / "cache",
+                                         local_files_only=True)
+    assert (drafter.config.num_specialists, drafter.config.positions_per_specialist) == (2, 3)
+    assert drafter.config.target_name_or_path == "meta-llama/Llama-2-13b-chat-hf"
+    assert drafter.config.training_record["converted_from"] == "HINT-lab/PosS3-Llama2-13B-Chat"

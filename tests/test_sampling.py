@@ -11,8 +11,8 @@ from transformers_poss.generation import tree_decoding
 from transformers_poss.generation.drafting import DraftTree
 
 VOCAB = 8
-NEW_TOKENS = 3
-SAMPLES = 400
+NEW_TOKENS = 4
+SAMPLES = 300
 ALPHA = 1e-3  # a correct sampler fails one run in a thousand
 
 
@@ -48,7 +48,7 @@ def _p_values(samples, marginals):
 @pytest.fixture(scope="module")
 def setup():
     target = tiny_target("llama", vocab_size=VOCAB, seed=5)
-    drafter = fitted_drafter(target, tree_depth=3, tree_top_k=2, tree_total_tokens=8, steps=200)
+    drafter = fitted_drafter(target, tree_depth=3, tree_top_k=3, tree_total_tokens=10, steps=200)
     prompt = torch.tensor([[1, 4, 2, 7, 3]])
     return target, drafter, prompt
 
@@ -66,7 +66,7 @@ def test_speculative_sampling_matches_target_distribution(setup, mode):
                               max_new_tokens=NEW_TOKENS, assistant_model=drafter)
         samples.append(out[0, prompt.shape[1]:].tolist())
         accepted += sum(drafter.last_generation_stats.acceptance_lengths)
-    assert accepted > SAMPLES // 4, "drafts were rarely accepted: the test would not exercise acceptance"
+    assert accepted > SAMPLES // 5, "drafts were rarely accepted: the test would not exercise acceptance"
     p_values = _p_values(samples, marginals)
     assert min(p_values) > ALPHA / NEW_TOKENS, p_values
 

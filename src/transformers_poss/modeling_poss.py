@@ -182,6 +182,12 @@ class PosSDrafter(PosSPreTrainedModel):
 
         return save_drafter(self, save_directory, *args, **kwargs)
 
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Upload the drafter with its model card (see `transformers_poss.hub.push_drafter_to_hub`)."""
+        from .hub import push_drafter_to_hub
+
+        return push_drafter_to_hub(self, repo_id, **kwargs)
+
     # ---- binding to a target -----------------------------------------------------------------------------------
     def check_compatible(self, target_model: PreTrainedModel) -> None:
         """Raise `ValueError` if this drafter was not built for a target shaped like `target_model`."""
