@@ -35,6 +35,11 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples)::
     # many GPUs / nodes, unchanged code:
     accelerate launch --num_processes 8 examples/train_poss.py --target ... --features ... --output-dir ...
 
+Precision. `--mixed-precision bf16` (default) and `--target-dtype bfloat16` suit GPUs and CPUs with AVX-512 BF16.
+On CPUs without it (e.g. AMD Zen 3: no avx512 flags in /proc/cpuinfo) bf16 matmuls are emulated and several times
+slower than fp32: use `--mixed-precision no --target-dtype float32` there (features are stored as bf16 either way).
+With more threads than free cores, set `OMP_WAIT_POLICY=PASSIVE`.
+
 Without `--features`, `--data` trains with online features (the frozen target runs in the loop). The drafter is
 written with `save_pretrained` to `--output-dir` (embedding and `lm_head` are the target's and are not saved) at
 every epoch end, with `config.training_record` (data, steps, tokens, wall time, per-position validation accuracy);

@@ -50,10 +50,13 @@ def build_train_parser(parser: argparse.ArgumentParser | None = None) -> argpars
 def run_train(namespace: argparse.Namespace) -> int:
     from .pipeline import run_training
 
+    from accelerate import PartialState
+
     args = arguments_from_namespace(namespace)
     _, record = run_training(args)
-    print(json.dumps({"output_dir": args.output_dir, "steps": record["steps"], "tokens": record["tokens"],
-                      "validation_position_accuracy": record["validation_position_accuracy"]}, indent=2))
+    if PartialState().is_main_process:
+            print(json.dumps({"output_dir": args.output_dir, "steps": record["steps"], "tokens": record["tokens"],
+                          "validation_position_accuracy": record["validation_position_accuracy"]}, indent=2))
     return 0
 
 
@@ -117,7 +120,7 @@ def add_subcommand(subparsers) -> None:
         "features", help="extract target features to disk once (memory-mapped datasets, resumable)")
     _target_and_data(features)
     features.add_argument("--max-length", type=int, default=2048)
-    features.add_argument("--shard-size", type=int, default=1024, help="examples per shard (resume granularity)")
+    features.add_argument("--shard-size", type=int, default=256, help="examples per shard (resume granularity)")
     features.set_defaults(func=run_features)
 
     distill = subparsers.add_parser(

@@ -107,10 +107,10 @@ def load_records(source: str, split: str = "train", limit: int | None = None) ->
         raise ValueError(f"{source}: expected a JSON array or JSON-lines file of conversation records")
     import datasets
 
+    saved = os.path.isdir(source) and any(
+        os.path.exists(os.path.join(source, name)) for name in ("dataset_info.json", "dataset_dict.json"))
     try:
-        if os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_info.json")) or (
-            os.path.isdir(source) and os.path.exists(os.path.join(source, "dataset_dict.json"))
-        ):
+        if saved:  # a `save_to_disk` folder
             loaded = datasets.load_from_disk(source)
             if isinstance(loaded, datasets.DatasetDict):
                 loaded = loaded[split]
@@ -143,7 +143,8 @@ def to_messages(record: dict) -> list[dict]:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"unknown chat role {m['role']!r}")
     else:
-        raise ValueError(f"a conversation record needs 'conversations' (ShareGPT) or 'messages'; got keys {list(record)}")
+        raise ValueError(
+            f"a conversation record needs 'conversations' (ShareGPT) or 'messages'; got keys {list(record)}")
     start = 0
     while start < len(messages) and messages[start]["role"] == "assistant":
         start += 1

@@ -59,7 +59,7 @@ def _shard_name(index: int) -> str:
 
 
 def extract_features(
-    target, examples: Sequence[dict], output_dir: str, batch_size: int = 8, shard_size: int = 1024,
+    target, examples: Sequence[dict], output_dir: str, batch_size: int = 8, shard_size: int = 256,
     metadata: dict | None = None, progress: bool = True,
 ) -> dict:
     """Run the frozen target over tokenized examples once and save features to `output_dir` (resumable).

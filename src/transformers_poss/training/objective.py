@@ -118,13 +118,15 @@ def check_trainable(drafter: PosSDrafter, depth: int) -> None:
 
 def unrolled_forward(
     drafter: PosSDrafter, input_ids: torch.LongTensor, features: torch.Tensor, depth: int,
-) -> list[torch.Tensor]:
+    return_inputs: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Predicted features of each unroll step.
 
     Args:
         input_ids: `[B, L]` tokens.
         features: `[B, L, H]` target features used as step-0 inputs (noised in training).
         depth: unroll steps (inference draft positions 1 .. depth).
+        return_inputs: also return the layer inputs of every input set (`depth` tensors `[B, T, H]`).
     Returns:
         `depth` tensors `[B, T, H]` (`T = L - 1`); entry `j` at position `t` predicts `f_{t+1}` as draft position
         `j + 1` of a round with committed context `0 .. t - j` (meaningful for `t >= j`).
@@ -153,7 +155,7 @@ def unrolled_forward(
         mask = additive_mask(unrolled_allowed(length, step, layer_inputs.device), layer_inputs.dtype)
         predictions.append(drafter.run_specialist(specialist, layer_inputs, positions, mask, cache=store))
         store.sets += 1
-    return predictions
+    return (predictions, sets) if return_inputs else predictions
 
 
 @dataclass
@@ -212,7 +214,7 @@ class UnrolledObjective(nn.Module):
         return logits.to(features.device)
 
     @torch.no_grad()
-    def target_argmax(self, features: torch.Tensor, chunk: int = 1024) -> torch.LongTensor:
+    def greedy_tokens(self, features: torch.Tensor, chunk: int = 1024) -> torch.LongTensor:
         """The target's greedy token `[N]` for features `[N, H]` (full vocabulary, in chunks)."""
         return torch.cat([self.target_logits(part, draft_vocab=False).argmax(-1)
                           for part in features.split(chunk)]) if features.shape[0] else \
@@ -238,7 +240,7 @@ class UnrolledObjective(nn.Module):
         if target_argmax is not None:
             greedy = target_argmax[:, 1:][rows, cols]
         else:
-            greedy = self.target_argmax(goal)
+            greedy = self.greedy_tokens(goal)
         device = goal.device
         total = torch.zeros((), device=device)
         feature_losses, soft_ces, corrects, counts = [], [], [], []

@@ -200,7 +200,7 @@ class PosSTrainer:
         self.data_record = data_record or {}
         self.extra_record = extra_record or {}
         self.state = {"epoch": 0, "batch_in_epoch": 0, "global_step": 0, "tokens": 0, "loss_tokens": 0,
-                      "wall_time_s": 0.0, "validation": [], "finished": False}
+                      "wall_time_s": 0.0, "validation": [], "finished": False, "seed": args.seed}
         self._session_start = time.time()
         self._stop_requested = False
         self.log_path = os.path.join(args.output_dir, "train_log.jsonl")
@@ -227,7 +227,7 @@ class PosSTrainer:
                   "target_argmax": argmax, "input_features": None}
         if noise and self.args.noise > 0:
             generator = torch.Generator(device=features.device)
-            generator.manual_seed(((self.args.seed * 1_000_003 + epoch) * 1_000_003 + batch_index) * 1024
+            generator.manual_seed(((self.state["seed"] * 1_000_003 + epoch) * 1_000_003 + batch_index) * 1024
                                   + acc.process_index)
             lengths = batch["attention_mask"].sum(-1)
             inputs["input_features"] = feature_noise(features, lengths, self.args.noise, generator)
@@ -286,9 +286,10 @@ class PosSTrainer:
                     self._end_of_epoch()
                     continue
                 break
-            if self._done() and not self._stop_requested and not self.state["finished"]:
-                if self.state["batch_in_epoch"] and not (self.state["validation"] and
-                                                         self.state["validation"][-1]["step"] == self.state["global_step"]):
+            if self._done() and not self._stop_requested and not self.state["finished"]:  # --max-steps reached
+                history = self.state["validation"]
+                validated = bool(history) and history[-1]["step"] == self.state["global_step"]
+                if not validated:
                     self.state["validation"].append(self.evaluate())
                 self.state["finished"] = True
                 self.save_drafter(args.output_dir)
@@ -478,6 +479,7 @@ class PosSTrainer:
         self.accelerator.load_state(checkpoint)
         with open(state_path) as handle:
             self.state = json.load(handle)["state"]
+        self.sampler.seed = self.state["seed"]  # batch order and noise follow the interrupted run's seed
         self._session_start = time.time()
         return checkpoint
 
