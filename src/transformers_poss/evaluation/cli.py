@@ -19,9 +19,11 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--target", default="default",
-                        help="'default' (SmolLM2-135M-Instruct from the package registry), a model folder or a .gguf file")
+                        help="'default' (SmolLM2-135M-Instruct from the package registry), a model folder or a "
+                             ".gguf file")
     parser.add_argument("--drafter", action="append", default=[], metavar="NAME=PATH",
-                        help="a PosS drafter folder, as NAME=PATH or PATH; 'default' = the shipped drafters; repeatable")
+                        help="a PosS drafter folder, as NAME=PATH or PATH; 'default' = the shipped drafters; "
+                             "repeatable")
     parser.add_argument("--assistant", default=None, metavar="PATH",
                         help="a small model with the target's tokenizer for transformers' assisted generation")
     parser.add_argument("--assistant-tokens", type=int, default=None,
@@ -31,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--modes", default="tree,chain", help="PosS draft modes to run, comma separated")
     parser.add_argument("--tree-depth", type=int, default=None, help="override every drafter's tree_depth")
     parser.add_argument("--tree-top-k", type=int, default=None, help="override every drafter's tree_top_k")
-    parser.add_argument("--tree-total-tokens", type=int, default=None, help="override every drafter's tree_total_tokens")
+    parser.add_argument("--tree-total-tokens", type=int, default=None,
+                        help="override every drafter's tree_total_tokens")
     parser.add_argument("--prompts", action="append", default=[], metavar="SPEC",
                         help="a .jsonl file, a folder of them, registry:NAME (mt_bench, humaneval, nq, xsum, asdiv) or "
                              "a Hub dataset id[:split]; repeatable")
@@ -44,11 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per method before timing")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-consistency", action="store_true", help="skip the teacher-forced greedy-consistency check")
+    parser.add_argument("--no-consistency", action="store_true",
+                        help="skip the teacher-forced greedy-consistency check")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="greedy-consistency logit tolerance (default 0.25 in bf16/fp16, 1e-3 in fp32)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the turns as plain text")
-    parser.add_argument("--output-dir", default=None, help="where results.json and the plots go (default runs/bench-TIME)")
+    parser.add_argument("--output-dir", default=None,
+                        help="where results.json, results.md and the plots go (default runs/bench-TIME)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quiet", action="store_true", help="no per-question progress lines")
     return parser

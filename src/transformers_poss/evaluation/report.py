@@ -35,9 +35,11 @@ def summarize(run: BenchmarkRun, metric=None) -> list[dict]:
 
     Row fields: dataset, method, kind, mode, turns, new_tokens, seconds, tokens_per_s (total new tokens / total
     seconds), tokens_per_s_median (over turns), speedup (tokens_per_s / the baseline's), speedup_median (median over
-    turns of the per-turn ratio to the baseline), mean_acceptance_length (tau), tau_source, position_acceptance
-    (alpha_1..alpha_depth, PosS only), time_split (seconds), peak_memory_mb, identical / compared / mismatches
-    (greedy only), consistent / consistency_checked.
+    turns of the per-turn ratio to the baseline), mean_acceptance_length (tau; None for the baseline), tau_source
+    ("rounds": PosS per-round records; "target_forwards": tokens per target forward), position_acceptance
+    (alpha_1..alpha_depth for PosS, else []), time_split (seconds, PosS), peak_memory_mb, identical / compared /
+    mismatches (greedy only), consistent / consistency_checked / max_gap.
+    This is the `results` shape `transformers_poss.hub.load_benchmark` reads for model cards.
     """
     metric = metric if metric is not None else _load_acceptance_metric()
     datasets = list(dict.fromkeys(r.dataset for r in run.records))
@@ -79,9 +81,9 @@ def _summarize_method(dataset, method, records, baseline, baseline_rate, metric)
         "tokens_per_s_median": _median([r.tokens_per_s for r in records]),
         "speedup": rate / baseline_rate if baseline_rate and not math.isnan(baseline_rate) else math.nan,
         "speedup_median": _median(ratios),
-        "mean_acceptance_length": 1.0 if method.kind == "baseline" else math.nan,
-        "tau_source": "baseline" if method.kind == "baseline" else None,
-        "position_acceptance": None,
+        "mean_acceptance_length": None,  # null for the baseline, which drafts nothing
+        "tau_source": None,
+        "position_acceptance": [],  # per-position figures exist for PosS methods only
         "time_split": None,
         "peak_memory_mb": max((r.peak_memory_bytes or 0 for r in records), default=0) / 2**20 or None,
     }
@@ -92,8 +94,8 @@ def _summarize_method(dataset, method, records, baseline, baseline_rate, metric)
         row["position_acceptance"] = stats["position_acceptance"]
         row["rounds"] = stats["rounds"]
         row["tau_source"] = "rounds"
-        split = {key: sum((r.time_split or {}).get(key, 0.0) for r in records) for key in ("draft", "verify", "bookkeeping")}
-        row["time_split"] = split
+        row["time_split"] = {key: sum((r.time_split or {}).get(key, 0.0) for r in records)
+                             for key in ("draft", "verify", "bookkeeping")}
     elif method.kind != "baseline":
         tokens = sum(r.new_tokens - 1 for r in records if r.target_forwards > 1)
         rounds = sum(r.target_forwards - 1 for r in records if r.target_forwards > 1)
@@ -124,7 +126,7 @@ def environment(target=None, dtype=None) -> dict:
         "transformers": transformers.__version__,
         "transformers_poss": __version__,
         "threads": torch.get_num_threads(),
-        "dtype": str(dtype if dtype is not None else (target.dtype if target is not None else None)).replace("torch.", ""),
+        "dtype": str(dtype if dtype is not None else getattr(target, "dtype", None)).replace("torch.", ""),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu": _cpu_name(),
@@ -223,7 +225,8 @@ def markdown_table(rows: list[dict]) -> str:
              "within the dtype tolerance of the target's argmax when teacher-forced."]
     mismatched = [row for row in rows if row.get("mismatches") and row["dataset"] != ALL]
     for row in mismatched:
-        where = ", ".join(f"{m['question_id']}/turn {m['turn']} @ token {m['first_mismatch']}" for m in row["mismatches"])
+        where = ", ".join(f"{m['question_id']}/turn {m['turn']} @ token {m['first_mismatch']}"
+                          for m in row["mismatches"])
         notes.append(f"MISMATCH {row['dataset']} {row['method']}: {where}")
     return "\n".join(lines + notes)
 
@@ -248,6 +251,9 @@ def write_plots(folder, rows: list[dict]) -> list[Path]:
         for row in curves:
             alphas = [math.nan if a is None else a for a in row["position_acceptance"]]
             ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=row["method"])
+        depth = max(len(r["position_acceptance"]) for r in curves)
+        ax.set_xticks(range(1, depth + 1))
+        ax.set_xlim(0.5, depth + 0.5)
         ax.set_xlabel("draft position p")
         ax.set_ylabel("acceptance alpha_p")
         ax.set_ylim(0, 1.05)

@@ -142,7 +142,8 @@ def _generate(target, input_ids, method: Method, max_new_tokens, sampling: dict,
             if input_ids.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            out = target.generate(input_ids, max_new_tokens=max_new_tokens, **sampling, **method.call_kwargs())
+            out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                                  **sampling, **method.call_kwargs())
             if input_ids.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start

@@ -30,8 +30,9 @@ Returns:
     mean_acceptance_length (`float`), position_acceptance (`list` of `float`), rounds (`int`), generations (`int`).
 Example:
     >>> metric = evaluate.load(ACCEPTANCE_METRIC_PATH)
-    >>> metric.compute(acceptance_lengths=[[0, 2, 3], [1]], depth=3)
-    {'mean_acceptance_length': 2.5, 'position_acceptance': [0.75, 0.6666666666666666, 0.5], 'rounds': 4, 'generations': 2}
+    >>> result = metric.compute(acceptance_lengths=[[0, 2, 3], [1]], depth=3)
+    >>> result["mean_acceptance_length"], result["position_acceptance"], result["rounds"]
+    (2.5, [0.75, 0.6666666666666666, 0.5], 4)
 """
 
 _CITATION = """\

@@ -1,0 +1,97 @@
+"""The real default target (SmolLM2-135M-Instruct, float32): greedy speculative outputs are token-identical.
+
+Slow (real model; the first run downloads and converts it, about a minute). The drafter is fitted inside the test on
+the target's own greedy answers (teacher forcing, a few dozen steps); the shipped drafter is tested too once it exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from drafter_fitting import fit_drafter_to_sequences
+
+from transformers_poss import PosSDrafter
+from transformers_poss.assets import (
+    DEFAULT_TARGET_NAME, END_OF_TURN_TOKEN, available_default_drafters, load_default_drafter, load_default_target,
+)
+from transformers_poss.metrics import mean_acceptance_length
+
+pytestmark = pytest.mark.slow
+
+CHATS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
+MAX_NEW_TOKENS = 32
+BUDGET = dict(tree_depth=4, tree_top_k=4, tree_total_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def target_and_tokenizer():
+    return load_default_target(dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_references(target_and_tokenizer):
+    target, tokenizer = target_and_tokenizer
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        for chat in CHATS
+    ]
+    with torch.no_grad():
+        references = [target.generate(p, max_new_tokens=MAX_NEW_TOKENS, do_sample=False) for p in prompts]
+    return prompts, references
+
+
+@pytest.fixture(scope="module")
+def fitted(target_and_tokenizer, prompts_and_references):
+    target, _ = target_and_tokenizer
+    prompts, references = prompts_and_references
+    torch.manual_seed(0)
+    drafter = PosSDrafter.from_target(target, num_specialists=3, positions_per_specialist=2, **BUDGET)
+    return fit_drafter_to_sequences(target, drafter, references, [p.shape[1] for p in prompts], steps=60, lr=2e-3)
+
+
+def test_default_target_is_the_chat_model(target_and_tokenizer, prompts_and_references):
+    target, tokenizer = target_and_tokenizer
+    assert target.config.model_type == "llama" and target.config.vocab_size == 49152
+    assert target.config._name_or_path == DEFAULT_TARGET_NAME and target.dtype == torch.float32
+    end = tokenizer.convert_tokens_to_ids(END_OF_TURN_TOKEN)
+    eos = target.generation_config.eos_token_id
+    assert end in (eos if isinstance(eos, list) else [eos])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in text
+    prompts, references = prompts_and_references
+    # the short answer stops at the end-of-turn token, well before the token limit
+    short = references[0][0, prompts[0].shape[1]:]
+    assert short[-1].item() == end and short.shape[0] < MAX_NEW_TOKENS
+    assert "Paris" in tokenizer.decode(short)
+
+
+def _check_identity(target, drafter, mode, prompts, references) -> float:
+    drafter.config.draft_mode = mode
+    lengths = []
+    for prompt, reference in zip(prompts, references):
+        with torch.no_grad():
+            out = target.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, reference), f"{mode}: speculative output differs from plain greedy"
+        lengths += drafter.last_generation_stats.acceptance_lengths
+    return mean_acceptance_length(lengths)
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_fitted_drafter_is_lossless_and_accepts(target_and_tokenizer, prompts_and_references, fitted, mode):
+    target, _ = target_and_tokenizer
+    tau = _check_identity(target, fitted, mode, *prompts_and_references)
+    assert tau > 1.0
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_shipped_drafter_is_lossless_and_accepts(target_and_tokenizer, prompts_and_references, mode):
+    if "poss2" not in available_default_drafters():
+        pytest.skip("the shipped PosS-2 drafter is not in this installation yet")
+    target, _ = target_and_tokenizer
+    drafter = load_default_drafter("poss2", target)
+    for key, value in BUDGET.items():
+        setattr(drafter.config, key, value)
+    tau = _check_identity(target, drafter, mode, *prompts_and_references)
+    assert tau > 1.2
