@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+from ..assets import DTYPES, resolve_dtype
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, default=None, help="questions per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
-    parser.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
+                        help="auto: bfloat16 where the hardware computes it natively, else float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per method before timing")
@@ -140,10 +141,10 @@ def run_bench(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = _DTYPES[args.dtype]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(args.dtype, device)
     log = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
-    log(f"loading target {args.target} ({args.dtype}, {device}) ...")
+    log(f"loading target {args.target} ({str(dtype).removeprefix('torch.')}, {device}) ...")
     if args.target == "default":
         target, tokenizer = load_default_target(dtype=dtype, device=device)
     else:
