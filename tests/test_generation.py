@@ -106,6 +106,7 @@ def test_streamer_gets_exactly_the_returned_tokens(fitted_pairs, mode):
     assert streamer.chunks[0] == prompt[0].tolist()
     streamed = [token for chunk in streamer.chunks[1:] for token in chunk]
     assert streamed == out[0, prompt.shape[1]:].tolist()
+    assert drafter.last_generation_stats.new_tokens == len(streamed)
 
 
 def test_return_dict_with_scores_matches_plain_generate(fitted_pairs):

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-# (subcommand module, attribute): each module defines `add_subcommand(subparsers)` that sets `func` on its parser.
+# Each module defines `add_subcommand(subparsers)` that sets `func` on its parser.
 SUBCOMMAND_MODULES = (
     "transformers_poss.assets",
     "transformers_poss.evaluation.cli",
@@ -25,13 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"transformers-poss {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise
-            continue
-        module.add_subcommand(subparsers)
+        importlib.import_module(module_name).add_subcommand(subparsers)
     return parser
 
 

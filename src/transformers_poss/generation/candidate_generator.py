@@ -44,7 +44,7 @@ class PosSCandidateGenerator(CandidateGenerator):
             return input_ids, None
         start = time.perf_counter()
         hidden = model_outputs.hidden_states[-1][0]  # [n_verified, H]
-        count = hidden.shape[0] if not self._prefilled else int(n_last_matches) + 1
+        count = hidden.shape[0] if not self._prefilled else int(n_last_matches) + 1  # prefill: the whole prompt
         self._prefilled = True
         self.session.end_round()
         self.session.commit(hidden[:count], input_ids[0, -count:].to(hidden.device))
@@ -85,9 +85,9 @@ class PosSCandidateGenerator(CandidateGenerator):
         return (self.drafter.draft_to_target == token).nonzero()[0, 0]
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        if self._round_start is None:  # the prefill step
+        self.stats.new_tokens += int(num_matches) + 1
+        if self._round_start is None:  # the prefill step, or a step with no room to draft: not a drafting round
             return
         verify = time.perf_counter() - self._round_start
         self.stats.record_round(int(num_matches), self._drafted + 1, self._draft_seconds, verify, 0.0)
-        self.stats.new_tokens += int(num_matches) + 1
         self._round_start = None
