@@ -55,20 +55,27 @@ def run_train(namespace: argparse.Namespace) -> int:
     args = arguments_from_namespace(namespace)
     _, record = run_training(args)
     if PartialState().is_main_process:
-            print(json.dumps({"output_dir": args.output_dir, "steps": record["steps"], "tokens": record["tokens"],
+        print(json.dumps({"output_dir": args.output_dir, "steps": record["steps"], "tokens": record["tokens"],
                           "validation_position_accuracy": record["validation_position_accuracy"]}, indent=2))
     return 0
 
 
-def run_features(namespace: argparse.Namespace) -> int:
-    from .data import build_examples, load_records
-    from .features import extract_features
+def _target_tokenizer_records(namespace: argparse.Namespace):
+    """The frozen target, its tokenizer and the conversations named by `poss features` / `poss distill` options."""
+    from .data import load_records
     from .pipeline import load_target, load_tokenizer
 
     target = load_target(namespace.target, namespace.target_gguf_file, namespace.target_dtype, namespace.device)
     tokenizer = load_tokenizer(namespace.tokenizer or namespace.target,
                                None if namespace.tokenizer else namespace.target_gguf_file)
-    records = load_records(namespace.data, split=namespace.data_split, limit=namespace.limit)
+    return target, tokenizer, load_records(namespace.data, split=namespace.data_split, limit=namespace.limit)
+
+
+def run_features(namespace: argparse.Namespace) -> int:
+    from .data import build_examples
+    from .features import extract_features
+
+    target, tokenizer, records = _target_tokenizer_records(namespace)
     examples, stats = build_examples(tokenizer, records, namespace.max_length, progress=True)
     metadata = {"data": namespace.data, "split": namespace.data_split, "limit": namespace.limit,
                 "max_length": namespace.max_length, "target_dtype": namespace.target_dtype, **stats}
@@ -80,14 +87,9 @@ def run_features(namespace: argparse.Namespace) -> int:
 
 
 def run_distill(namespace: argparse.Namespace) -> int:
-    from .data import load_records
     from .distill import self_distill
-    from .pipeline import load_target, load_tokenizer
 
-    target = load_target(namespace.target, namespace.target_gguf_file, namespace.target_dtype, namespace.device)
-    tokenizer = load_tokenizer(namespace.tokenizer or namespace.target,
-                               None if namespace.tokenizer else namespace.target_gguf_file)
-    records = load_records(namespace.data, split=namespace.data_split, limit=namespace.limit)
+    target, tokenizer, records = _target_tokenizer_records(namespace)
     stats = self_distill(target, tokenizer, records, namespace.output, batch_size=namespace.batch_size,
                          max_new_tokens=namespace.max_new_tokens, max_prompt_length=namespace.max_prompt_length,
                          do_sample=namespace.temperature > 0, temperature=namespace.temperature or 1.0)
