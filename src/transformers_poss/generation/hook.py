@@ -54,8 +54,8 @@ def check_transformers_version() -> None:
             )
 
 
-# Options of `generate` a PosS drafter cannot honour yet: (generation_config attribute, unsupported when ...).
 def _unsupported_options(generation_config, generation_mode_kwargs) -> list[str]:
+    """The `generate` options set in this call that a PosS drafter cannot honour yet, each described in words."""
     problems = []
     if (generation_config.num_beams or 1) > 1:
         problems.append(f"num_beams={generation_config.num_beams} (beam search)")
