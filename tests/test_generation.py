@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from tiny_models import FAMILIES, prompts, tiny_target
+from tiny_models import FAMILIES, fitted_drafter, prompts, tiny_target
 
 
 def _generate_both(target, drafter, prompt, **kwargs):
@@ -181,3 +181,27 @@ def test_drafter_follows_target_dtype(fitted_pairs):
     target_bf16.generate(prompts()[0], do_sample=False, max_new_tokens=5, assistant_model=drafter)
     assert drafter.fc.weight.dtype == torch.bfloat16
     assert drafter.fc.weight.device == target_bf16.get_output_embeddings().weight.device
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3", {"final_logit_softcapping": 2.0})])
+def test_verification_projects_only_the_rows_acceptance_visits(family, overrides):
+    """Tree mode projects `lm_head` rows for the accepted path and the next token only, not for every tree node
+    (Gemma's final soft-capping applied to them as the model would)."""
+    target = tiny_target(family, **overrides)
+    # A drafter with its own head, so that every `lm_head` call counted below is the target's.
+    drafter = fitted_drafter(target, draft_vocab_size=target.config.vocab_size, steps=300, tree_depth=4,
+                             tree_top_k=3, tree_total_tokens=12)
+    rows = []
+    hook = target.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(out[..., 0].numel()))
+    try:
+        for prompt in prompts(count=3):
+            reference = target.generate(prompt, do_sample=False, max_new_tokens=30)
+            rows.clear()
+            speculative = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=drafter)
+            assert torch.equal(reference, speculative)
+            stats = drafter.last_generation_stats
+            # The prefill keeps one row; each round projects one row per accepted draft plus the target's next token.
+            assert sum(rows) == 1 + sum(a + 1 for a in stats.acceptance_lengths)
+            assert sum(rows) < 1 + sum(stats.tree_sizes)
+    finally:
+        hook.remove()

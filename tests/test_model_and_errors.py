@@ -12,7 +12,7 @@ from tiny_models import prompts, tiny_target
 from transformers_poss import PosSConfig, PosSDrafter
 from transformers_poss.generation import hook
 from transformers_poss.generation.drafting import DraftSession, draft_tree
-from transformers_poss.generation.tree_decoding import _tree_attention_mask
+from transformers_poss.generation.tree_decoding import tree_attention_mask
 
 
 @pytest.mark.parametrize(
@@ -167,7 +167,7 @@ def test_tree_mask_matches_running_each_path(fitted_pairs, family, attn):
         with torch.no_grad():
             target(sequence[:, :-1], cache=cache, use_cache=True)
             tree_logits = target(tree.tokens[None], position_ids=(past + tree.depths)[None], cache=cache,
-                                 attention_mask=_tree_attention_mask(target, tree, past, "cpu"), use_cache=True).logits[0]
+                                 attention_mask=tree_attention_mask(target, tree, past, "cpu"), use_cache=True).logits[0]
         parents = tree.parents.tolist()
         for node in range(len(tree)):
             path, cursor = [], node

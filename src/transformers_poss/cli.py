@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES = (
     "transformers_poss.evaluation.cli",
     "transformers_poss.training.cli",
     "transformers_poss.hub",
+    "transformers_poss.tuning",
 )
 
 

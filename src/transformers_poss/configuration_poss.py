@@ -40,6 +40,7 @@ class PosSConfig(PretrainedConfig):
         draft_vocab_size (`int`, *optional*): size of a reduced draft vocabulary (a drafter-own `lm_head`
             over the most frequent target tokens); `None` drafts over the full target vocabulary.
         training_record (`dict`, *optional*): data, steps, tokens and validation accuracy of training.
+        tuning_record (`dict`, *optional*): what `poss tune` measured and predicted when it chose the tree budget.
     """
 
     model_type = "poss"
@@ -55,11 +56,13 @@ class PosSConfig(PretrainedConfig):
     tree_total_tokens: int = 60
     draft_vocab_size: int | None = None
     training_record: dict | None = None
+    tuning_record: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
         self.target_config = {k: v for k, v in (self.target_config or {}).items() if k not in _IRRELEVANT_TARGET_KEYS}
         self.training_record = self.training_record or {}
+        self.tuning_record = self.tuning_record or {}
         super().__post_init__(**kwargs)
         self.check_settings()
 

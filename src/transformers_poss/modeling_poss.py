@@ -124,6 +124,7 @@ class PosSDrafter(PosSPreTrainedModel):
             self.draft_to_target = None
         self._bound: dict[str, object] = {}
         self.last_generation_stats = None
+        self.keep_round_traces = False  # tree mode: record each round's candidates (poss tune)
         self.post_init()
 
     # ---- construction -----------------------------------------------------------------------------------------

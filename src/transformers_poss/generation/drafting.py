@@ -31,6 +31,7 @@ class DraftSession:
         n = drafter.config.num_specialists
         self.context_cached = [0] * n  # context positions in each specialist's cache
         self.nodes_cached = [0] * n  # round nodes in each specialist's cache (after its context)
+        self.context_features: list[torch.Tensor | None] = [None] * n  # each specialist's output at position S - 1
         self._reset_round()
 
     @property
@@ -76,8 +77,8 @@ class DraftSession:
         """Bring `specialist` up to date over the context and round nodes.
 
         Returns:
-            (feature predicted at the last context position `[H]` (only meaningful when new context positions were
-            run), predicted features of the round nodes it had not yet run `[n_new_nodes, H]`).
+            (feature predicted at the last context position `[H]`, predicted features of the round nodes it had not
+            yet run `[n_new_nodes, H]`).
         """
         S, N = self.context_length, self.node_positions.shape[0]
         c, r = self.context_cached[specialist], self.nodes_cached[specialist]
@@ -86,6 +87,8 @@ class DraftSession:
         queries = torch.cat((self.context_inputs[c:S], self.node_inputs[r:N]))
         positions = torch.cat((torch.arange(c, S, device=device), self.node_positions[r:N]))
         n_ctx = S - c
+        if queries.shape[0] == 0:  # already up to date (a second draft on the same context)
+            return self.context_features[specialist], queries
         allowed = torch.zeros(queries.shape[0], S + N, dtype=torch.bool, device=device)
         keys = torch.arange(S, device=device)
         allowed[:n_ctx, :S] = keys[None, :] <= torch.arange(c, S, device=device)[:, None]
@@ -96,7 +99,26 @@ class DraftSession:
             specialist, queries[None], positions[None], additive_mask(allowed, queries.dtype), self.cache
         )[0]
         self.context_cached[specialist], self.nodes_cached[specialist] = S, N
-        return out[n_ctx - 1] if n_ctx else None, out[n_ctx:]
+        if n_ctx:
+            self.context_features[specialist] = out[n_ctx - 1]
+        return self.context_features[specialist], out[n_ctx:]
+
+
+@dataclass
+class DraftCandidates:
+    """Every node a tree draft scored, in creation order (depth by depth), before the `total_tokens` cut.
+
+    Attributes:
+        tokens: `[C]` target token ids.
+        parents: `[C]` parent candidate index (-1: the root).
+        depths: `[C]` depth (1-based).
+        scores: `[C]` cumulative draft log-probability (the ranking key).
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    scores: torch.Tensor
 
 
 @dataclass
@@ -108,12 +130,14 @@ class DraftTree:
         parents: `[n]` parent index (-1 for the root).
         depths: `[n]` depth (0 for the root).
         visible: `[n, n]` bool, `visible[i, j]` = node j is an ancestor of i or i itself (the tree attention mask).
+        candidates: all scored candidates the tree was cut from (None for a root-only tree).
     """
 
     tokens: torch.LongTensor
     parents: torch.LongTensor
     depths: torch.LongTensor
     visible: torch.Tensor
+    candidates: DraftCandidates | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -181,9 +205,16 @@ def draft_tree(session: DraftSession, root_token: torch.LongTensor, depth: int, 
 
     parents_all = torch.cat(cand_parents)
     depths_all = torch.cat(cand_depths)
-    order = torch.sort(all_scores, descending=True, stable=True).indices[:budget]
-    chosen = torch.sort(order).values  # creation order: parents before children
-    return _make_tree(root_token, all_tokens[chosen], parents_all[chosen], depths_all[chosen], device, chosen)
+    chosen = select_candidates(all_scores, budget)
+    tree = _make_tree(root_token, all_tokens[chosen], parents_all[chosen], depths_all[chosen], device, chosen)
+    tree.candidates = DraftCandidates(all_tokens, parents_all, depths_all, all_scores)
+    return tree
+
+
+def select_candidates(scores: torch.Tensor, budget: int) -> torch.LongTensor:
+    """Indices of the `budget` best candidates by score `[C]`, in creation order (ties keep creation order)."""
+    order = torch.sort(scores, descending=True, stable=True).indices[:budget]
+    return torch.sort(order).values
 
 
 def _max_tree_nodes(depth: int, top_k: int) -> int:

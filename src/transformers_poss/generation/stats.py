@@ -8,6 +8,19 @@ from ..metrics import mean_acceptance_length, position_acceptance
 
 
 @dataclass
+class RoundTrace:
+    """One tree round as `poss tune` replays it.
+
+    Attributes:
+        candidates: the `DraftCandidates` the round's tree was cut from (None when only the root was verified).
+        target_tokens: the accepted draft tokens followed by the target's own next token.
+    """
+
+    candidates: object
+    target_tokens: list[int]
+
+
+@dataclass
 class GenerationStats:
     """Per-round record of a speculative `generate` call (`drafter.last_generation_stats`).
 
@@ -19,6 +32,7 @@ class GenerationStats:
             verification forward and acceptance, and in cache compaction, feature feedback and stopping checks.
         tree_sizes: verified tokens per round (root included).
         new_tokens: tokens generated in total (prefill token included).
+        round_traces: per-round `RoundTrace`s when `drafter.keep_round_traces` is set (tree mode; `poss tune`).
     """
 
     draft_mode: str
@@ -29,6 +43,7 @@ class GenerationStats:
     bookkeeping_seconds: list[float] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     new_tokens: int = 0
+    round_traces: list[RoundTrace] | None = None
 
     def record_round(self, accepted: int, tree_size: int, draft_s: float, verify_s: float, bookkeeping_s: float):
         self.acceptance_lengths.append(int(accepted))

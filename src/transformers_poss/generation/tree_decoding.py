@@ -15,7 +15,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling_poss import PosSDrafter, additive_mask
 from .drafting import DraftSession, DraftTree, draft_tree
-from .stats import GenerationStats
+from .stats import GenerationStats, RoundTrace
 
 
 def tree_assisted_decoding(
@@ -32,7 +32,8 @@ def tree_assisted_decoding(
     cache = model_kwargs["cache"]
     config = drafter.config
     session = DraftSession(drafter)
-    stats = GenerationStats(draft_mode="tree", tree_depth=config.tree_depth)
+    stats = GenerationStats(draft_mode="tree", tree_depth=config.tree_depth,
+                            round_traces=[] if getattr(drafter, "keep_round_traces", False) else None)
     drafter.last_generation_stats = stats
     do_sample = bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
@@ -68,21 +69,25 @@ def tree_assisted_decoding(
         out = model(
             input_ids=tree.tokens[None].to(device),
             position_ids=(past + tree.depths)[None].to(device),
-            attention_mask=_tree_attention_mask(model, tree, past, device),
+            attention_mask=tree_attention_mask(model, tree, past, device),
             cache=cache,
             use_cache=True,
             output_hidden_states=-1,
+            **_logits_to_keep(model, torch.empty(0, dtype=torch.long, device=device)),
         )
-        raw = out.logits[0].to(dtype=torch.float32, device=device)  # [n, V]
-        processed = _process_tree_logits(raw, tree, input_ids, logits_processor)
-        path, next_token = (_accept_sampling if do_sample else _accept_greedy)(processed, tree)
+        hidden = out.hidden_states[-1][0]  # [n, H]
+        logits = TreeLogits(model, hidden, out.logits[0], tree, input_ids, logits_processor)
+        path, next_token = (_accept_sampling if do_sample else _accept_greedy)(logits, tree)
         verified = time.perf_counter()
 
         new_tokens = [tree.tokens[i] for i in path[1:]] + [next_token]
-        input_ids, emitted, finished = _append(
-            input_ids, new_tokens, [processed[i : i + 1] for i in path], stopping_criteria
-        )
-        _record_outputs(scores, raw_logits, processed[path], raw[path], emitted, keep_scores, keep_logits)
+        if stats.round_traces is not None:
+            stats.round_traces.append(RoundTrace(tree.candidates, [int(t) for t in new_tokens]))
+        processed_path = [logits[i] for i in path]
+        input_ids, emitted, finished = _append(input_ids, new_tokens, processed_path, stopping_criteria)
+        if keep_scores or keep_logits:
+            _record_outputs(scores, raw_logits, torch.stack(processed_path), torch.stack([logits.raw(i) for i in path]),
+                            emitted, keep_scores, keep_logits)
         if streamer is not None:
             streamer.put(input_ids[0, -emitted:].cpu())
         stats.new_tokens += emitted
@@ -90,7 +95,6 @@ def tree_assisted_decoding(
             path_index = torch.tensor(path, device=device)
             compact_cache(cache, torch.cat((torch.arange(past, device=device), past + path_index)))
             session.end_round()
-            hidden = out.hidden_states[-1][0]
             session.commit(hidden[path_index.to(hidden.device)], input_ids[0, -len(path):])
         stats.record_round(len(path) - 1, len(tree), drafted - start, verified - drafted,
                            time.perf_counter() - verified)
@@ -107,8 +111,9 @@ def tree_assisted_decoding(
     return input_ids
 
 
-def _logits_to_keep(model, n: int) -> dict:
-    return {"logits_to_keep": n} if model._supports_logits_to_keep() else {}
+def _logits_to_keep(model, keep) -> dict:
+    """`logits_to_keep` (an int: the last n positions; a 1D tensor: these positions) where the model takes it."""
+    return {"logits_to_keep": keep} if model._supports_logits_to_keep() else {}
 
 
 def _choose(processed: torch.Tensor, do_sample: bool) -> torch.Tensor:
@@ -143,7 +148,7 @@ def tree_allowed(tree: DraftTree, past: int) -> torch.Tensor:
     return torch.cat((torch.ones(n, past, dtype=torch.bool, device=tree.visible.device), tree.visible), dim=1)
 
 
-def _tree_attention_mask(model, tree: DraftTree, past: int, device):
+def tree_attention_mask(model, tree: DraftTree, past: int, device):
     """The 4D additive float mask `[1, 1, n, past + n]` (or Gemma3's per-layer-type dict of it)."""
     mask = additive_mask(tree_allowed(tree, past).to(device), model.dtype)
     layer_types = getattr(model.config.get_text_config(), "layer_types", None)
@@ -152,28 +157,54 @@ def _tree_attention_mask(model, tree: DraftTree, past: int, device):
     return mask
 
 
-def _path_tokens(tree: DraftTree) -> torch.LongTensor:
-    """`[n, max_depth]`: the tokens of each node's path below the root (row i, columns < depth_i)."""
-    n, max_depth = len(tree), int(tree.depths.max())
-    paths = torch.zeros(n, max(max_depth, 1), dtype=torch.long, device=tree.tokens.device)
-    parents, depths = tree.parents.tolist(), tree.depths.tolist()
-    for i in range(1, n):
-        paths[i] = paths[parents[i]]
-        paths[i, depths[i] - 1] = tree.tokens[i]
-    return paths
+class TreeLogits:
+    """Target logits of tree nodes, projected only for the nodes acceptance visits.
 
+    The verification forward keeps no logits where the model takes `logits_to_keep`; `raw(i)` projects node `i`'s
+    last hidden state `[H]` through the target's output embeddings (and Gemma's final soft-capping) on first use, and
+    `self[i]` applies generate's logits processors with the node's own prefix (the sequence up to that node).
+    Acceptance walks one root path, so about tau rows of `[V]` are projected instead of one per tree node.
+    """
 
-def _process_tree_logits(raw, tree: DraftTree, input_ids, logits_processor):
-    """Apply generate's logits processors at every node, each with its own prefix (the sequence up to that node)."""
-    if not logits_processor:
-        return raw
-    processed = torch.empty_like(raw)
-    paths = _path_tokens(tree).to(input_ids.device)
-    for depth in range(int(tree.depths.max()) + 1):
-        rows = (tree.depths == depth).nonzero().flatten().to(raw.device)
-        prefix = torch.cat((input_ids.expand(rows.shape[0], -1), paths[rows.to(paths.device), :depth]), dim=1)
-        processed[rows] = logits_processor(prefix, raw[rows].clone())
-    return processed
+    def __init__(self, model, hidden: torch.Tensor, logits: torch.Tensor, tree: DraftTree, input_ids,
+                 logits_processor):
+        self.model, self.hidden, self.tree = model, hidden, tree
+        self.full_logits = logits if logits.shape[0] == len(tree) else None  # [n, V] when the model kept them all
+        self.input_ids, self.logits_processor = input_ids, logits_processor
+        self._raw: dict[int, torch.Tensor] = {}
+        self._processed: dict[int, torch.Tensor] = {}
+
+    def raw(self, node: int) -> torch.Tensor:
+        """Unprocessed float32 logits `[V]` of `node`."""
+        if node not in self._raw:
+            if self.full_logits is not None:
+                row = self.full_logits[node]
+            else:
+                row = self.model.get_output_embeddings()(self.hidden[node : node + 1])[0]
+                softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+                if softcap is not None:
+                    row = torch.tanh(row / softcap) * softcap
+            self._raw[node] = row.to(dtype=torch.float32, device=self.input_ids.device)
+        return self._raw[node]
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        """Processed logits `[V]` of `node`."""
+        if node not in self._processed:
+            row = self.raw(node)
+            if self.logits_processor:
+                prefix = torch.cat((self.input_ids, self._path_tokens(node)[None]), dim=1)
+                row = self.logits_processor(prefix, row[None].clone())[0]
+            self._processed[node] = row
+        return self._processed[node]
+
+    def _path_tokens(self, node: int) -> torch.LongTensor:
+        """Tokens `[depth]` from the root's child down to `node`."""
+        parents = self.tree.parents.tolist()
+        path = []
+        while node > 0:
+            path.append(node)
+            node = parents[node]
+        return self.tree.tokens[path[::-1]].to(self.input_ids.device)
 
 
 def _children(tree: DraftTree) -> list[list[int]]:
@@ -184,20 +215,24 @@ def _children(tree: DraftTree) -> list[list[int]]:
     return children
 
 
-def _accept_greedy(processed: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor]:
-    """Longest root path whose every token is the target's argmax; returns (node path from 0, next token)."""
-    target_choice = processed.argmax(dim=-1)
-    choices, tokens, children = target_choice.tolist(), tree.tokens.tolist(), _children(tree)
+def _accept_greedy(processed, tree: DraftTree) -> tuple[list[int], torch.Tensor]:
+    """Longest root path whose every token is the target's argmax; returns (node path from 0, next token).
+
+    `processed[i]` is node i's processed logits `[V]` (a `TreeLogits` or an `[n, V]` tensor).
+    """
+    tokens, children = tree.tokens.tolist(), _children(tree)
     path = [0]
     while True:
         node = path[-1]
-        child = next((c for c in children[node] if tokens[c] == choices[node]), None)
+        choice = processed[node].argmax()
+        wanted = int(choice)
+        child = next((c for c in children[node] if tokens[c] == wanted), None)
         if child is None:
-            return path, target_choice[node]
+            return path, choice
         path.append(child)
 
 
-def _accept_sampling(processed: torch.Tensor, tree: DraftTree) -> tuple[list[int], torch.Tensor]:
+def _accept_sampling(processed, tree: DraftTree) -> tuple[list[int], torch.Tensor]:
     """Multi-candidate rejection sampling for deterministic (top-k) drafts; keeps the target distribution.
 
     At a node with target distribution p, children's tokens t_1..t_m are tried in turn: t_i is accepted with

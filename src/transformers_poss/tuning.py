@@ -1,0 +1,369 @@
+"""`poss tune`: choose the tree budget that maximises tokens per second on this device.
+
+The model. A round drafts a tree of depth `d`, width `k` and `T` nodes (root included), verifies it in one target
+forward and emits `a + 1` tokens (`a` accepted drafts plus the target's own next token). Its expected speed is
+
+    tokens/s(d, k, T) = E[a + 1 | d, k, T] / (draft_s(d, k) + verify_s(T) + overhead_s)
+
+- `verify_s(T)`: median time of one target forward over `T` tree tokens on a cached context of the calibration
+  prompts' typical length, with the tree attention mask, measured here.
+- `draft_s(d, k)`: median time of `draft_tree` at depth `d` and width `k` on the same context, measured here.
+- `overhead_s`: what a real round costs beyond those two (acceptance, cache compaction, feature feedback, stopping
+  checks): the median over calibration rounds of measured round time minus the two modelled parts.
+- `E[a + 1]`: replayed, not guessed. For each width `k`, greedy generation on calibration prompts runs with the
+  largest budget and records every round's scored candidates and the target's tokens. EAGLE-2's expansion at
+  depth `j` does not depend on deeper levels or on `T`, so the tree of any smaller `(d, T)` is the best `T - 1`
+  recorded candidates of depth <= `d`; its accepted length is the longest chain of them that matches the target's
+  tokens. A chain that runs past the target tokens recorded for the round is cut there, so the estimate is a lower
+  bound for budgets whose trees leave the calibrated one.
+
+Plain decoding is timed on the same prompts (`target.generate`, greedy), so each budget also gets a predicted speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .generation.drafting import DraftSession, DraftTree, draft_tree, select_candidates
+from .generation.stats import RoundTrace
+from .generation.tree_decoding import tree_attention_mask
+
+
+@dataclass
+class BudgetEstimate:
+    """Predicted behaviour of one tree budget."""
+
+    depth: int
+    top_k: int
+    total_tokens: int
+    tokens_per_round: float
+    round_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_round / self.round_seconds
+
+
+@dataclass
+class TuneResult:
+    """Everything `tune` measured and the budgets it ranked (best first)."""
+
+    estimates: list[BudgetEstimate]
+    decode_seconds_per_token: float
+    verify_seconds: dict[int, float]
+    draft_seconds: dict[tuple[int, int], float]
+    overhead_seconds: float
+    position_acceptance: dict[int, list[float]]
+    calibration: dict = field(default_factory=dict)
+
+    @property
+    def best(self) -> BudgetEstimate:
+        return self.estimates[0]
+
+    def speedup(self, estimate: BudgetEstimate) -> float:
+        return estimate.tokens_per_second * self.decode_seconds_per_token
+
+    def record(self) -> dict:
+        """The `tuning_record` written into the drafter config."""
+        best = self.best
+        return {
+            "model": "tokens/s = E[accepted + 1] / (draft_s(depth, top_k) + verify_s(total_tokens) + overhead_s)",
+            "chosen": {"tree_depth": best.depth, "tree_top_k": best.top_k, "tree_total_tokens": best.total_tokens},
+            "predicted_tokens_per_round": round(best.tokens_per_round, 3),
+            "predicted_tokens_per_second": round(best.tokens_per_second, 2),
+            "predicted_speedup": round(self.speedup(best), 3),
+            "decode_ms_per_token": round(self.decode_seconds_per_token * 1e3, 2),
+            "verify_ms": {str(n): round(s * 1e3, 2) for n, s in self.verify_seconds.items()},
+            "draft_ms": {f"{d},{k}": round(s * 1e3, 2) for (d, k), s in self.draft_seconds.items()},
+            "overhead_ms": round(self.overhead_seconds * 1e3, 2),
+            "position_acceptance": {str(k): [round(a, 4) for a in v] for k, v in self.position_acceptance.items()},
+            **self.calibration,
+        }
+
+
+# ---- replay ---------------------------------------------------------------------------------------------------
+def subtree_candidates(candidates, depth: int, total_tokens: int) -> torch.LongTensor:
+    """Indices of the candidates `draft_tree` keeps at this depth and size: the best `total_tokens - 1` of depth
+    <= `depth`, in creation order."""
+    eligible = (candidates.depths <= depth).nonzero().flatten()
+    return eligible[select_candidates(candidates.scores[eligible], max(total_tokens - 1, 0))]
+
+
+def replay_accepted(trace: RoundTrace, depth: int, total_tokens: int) -> int:
+    """Draft tokens a tree of this depth and size would have accepted in the traced round (greedy)."""
+    candidates = trace.candidates
+    if candidates is None or total_tokens <= 1 or depth < 1:
+        return 0
+    tokens, parents = candidates.tokens.tolist(), candidates.parents.tolist()
+    children: dict[int, dict[int, int]] = {}
+    for index in subtree_candidates(candidates, depth, total_tokens).tolist():
+        children.setdefault(parents[index], {})[tokens[index]] = index
+    node, accepted = -1, 0
+    for token in trace.target_tokens:  # cut where the recorded target tokens end (a lower bound)
+        node = children.get(node, {}).get(token)
+        if node is None:
+            break
+        accepted += 1
+    return accepted
+
+
+def mean_tokens_per_round(traces: list[RoundTrace], depth: int, total_tokens: int) -> float:
+    return sum(replay_accepted(t, depth, total_tokens) + 1 for t in traces) / len(traces)
+
+
+# ---- measurements ---------------------------------------------------------------------------------------------
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_verify_seconds(target, context_ids: torch.LongTensor, sizes, repeats: int = 5) -> dict[int, float]:
+    """`{T: seconds}` of one target forward over `T` chain-shaped tree tokens on top of `context_ids` `[1, L]`."""
+    from transformers import DynamicCache
+
+    device = target.device
+    context_ids = context_ids.to(device)
+    past = context_ids.shape[1]
+    results = {}
+    for size in sizes:
+        tree = DraftTree(
+            tokens=context_ids[0, -size:].clone() if size <= past else context_ids[0, :1].repeat(size),
+            parents=torch.arange(-1, size - 1, device=device),
+            depths=torch.arange(size, device=device),
+            visible=torch.ones(size, size, dtype=torch.bool, device=device).tril(),
+        )
+        cache = DynamicCache(config=target.config)
+        target(input_ids=context_ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+        def verify():
+            target(input_ids=tree.tokens[None], position_ids=(past + tree.depths)[None],
+                   attention_mask=tree_attention_mask(target, tree, past, device), cache=cache, use_cache=True,
+                   output_hidden_states=-1)
+            for layer in cache.layers:  # drop the tree again
+                layer.crop(-size)
+
+        results[size] = _median_seconds(verify, repeats)
+    return results
+
+
+@torch.no_grad()
+def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths, top_ks,
+                          repeats: int = 5) -> dict[tuple[int, int], float]:
+    """`{(depth, top_k): seconds}` of `draft_tree` on a drafter session committed over `context_ids` `[1, L]`."""
+    device = target.device
+    context_ids = context_ids.to(device)
+    out = target(input_ids=context_ids[:, :-1], output_hidden_states=-1, logits_to_keep=1)
+    session = DraftSession(drafter)
+    session.commit(out.hidden_states[-1][0], context_ids[0, 1:])
+    root = context_ids[0, -1]
+    results = {}
+    for k in top_ks:
+        for d in depths:
+            def draft():
+                draft_tree(session, root, d, k, 1 + d * k * k)
+                session.end_round()
+
+            results[(d, k)] = _median_seconds(draft, repeats)
+    return results
+
+
+@torch.no_grad()
+def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8), max_depth: int = 8,
+         totals=(2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), max_new_tokens: int = 64, repeats: int = 5,
+         progress=None) -> TuneResult:
+    """Calibrate on `prompts` (token ids `[1, L]` each) and rank every budget in the grid by predicted tokens/s.
+
+    The drafter must be bound to `target`; its config is left as it was.
+    """
+    log = progress or (lambda message: None)
+    if not prompts:
+        raise ValueError("tune needs at least one calibration prompt")
+    config = drafter.config
+    saved = (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens)
+    max_total = max(totals)
+
+    log("timing plain decoding ...")
+    decode_tokens, decode_seconds = 0, 0.0
+    for ids in prompts:
+        start = time.perf_counter()
+        out = target.generate(ids.to(target.device), max_new_tokens=max_new_tokens, do_sample=False)
+        decode_seconds += time.perf_counter() - start
+        decode_tokens += out.shape[1] - ids.shape[1]
+
+    traces: dict[int, list[RoundTrace]] = {}
+    round_seconds: dict[int, list[float]] = {}
+    acceptance: dict[int, list[float]] = {}
+    drafter.keep_round_traces = True
+    try:
+        for k in top_ks:
+            config.draft_mode, config.tree_depth, config.tree_top_k = "tree", max_depth, k
+            config.tree_total_tokens = min(max_total, 1 + max_depth * k * k)
+            log(f"calibrating top_k={k} (depth {max_depth}, {config.tree_total_tokens} tokens) ...")
+            traces[k], round_seconds[k] = [], []
+            for ids in prompts:
+                target.generate(ids.to(target.device), assistant_model=drafter, max_new_tokens=max_new_tokens,
+                                do_sample=False)
+                stats = drafter.last_generation_stats
+                traces[k].extend(stats.round_traces)
+                round_seconds[k].extend(
+                    sum(parts) for parts in zip(stats.draft_seconds, stats.verify_seconds, stats.bookkeeping_seconds))
+            acceptance[k] = _position_acceptance(traces[k], max_depth, config.tree_total_tokens)
+    finally:
+        drafter.keep_round_traces = False
+        config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens = saved
+
+    budgets = [(d, k, t) for k in top_ks for d in range(1, max_depth + 1)
+               for t in sorted({min(t, 1 + d * k * k) for t in totals if t >= 2})]
+    calibrated_size = {k: min(max_total, 1 + max_depth * k * k) for k in top_ks}
+    context = max(prompts, key=lambda ids: ids.shape[1])
+    sizes = sorted({t for _, _, t in budgets} | set(calibrated_size.values()))
+    log(f"timing verification of {sizes} tokens ...")
+    verify = measure_verify_seconds(target, context, sizes, repeats)
+    log("timing drafting ...")
+    draft = measure_draft_seconds(drafter, target, context, range(1, max_depth + 1), top_ks, repeats)
+    overhead = statistics.median(
+        seconds - draft[(max_depth, k)] - verify[calibrated_size[k]] for k in top_ks for seconds in round_seconds[k]
+    )
+    overhead = max(overhead, 0.0)
+
+    estimates = [
+        BudgetEstimate(depth=d, top_k=k, total_tokens=t, tokens_per_round=mean_tokens_per_round(traces[k], d, t),
+                       round_seconds=draft[(d, k)] + verify[t] + overhead)
+        for d, k, t in budgets
+    ]
+    estimates.sort(key=lambda e: -e.tokens_per_second)
+    return TuneResult(
+        estimates=estimates, decode_seconds_per_token=decode_seconds / max(decode_tokens, 1), verify_seconds=verify,
+        draft_seconds=draft, overhead_seconds=overhead, position_acceptance=acceptance,
+        calibration={"prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                     "rounds": {str(k): len(v) for k, v in traces.items()}, "max_depth": max_depth},
+    )
+
+
+def _position_acceptance(traces: list[RoundTrace], depth: int, total_tokens: int) -> list[float]:
+    from .metrics import position_acceptance
+
+    return position_acceptance([replay_accepted(t, depth, total_tokens) for t in traces], depth)
+
+
+def format_table(result: TuneResult, rows: int = 12) -> str:
+    lines = ["| depth | top_k | total_tokens | tokens/round | round ms | tokens/s | predicted speedup |",
+             "|---|---|---|---|---|---|---|"]
+    for e in result.estimates[:rows]:
+        lines.append(f"| {e.depth} | {e.top_k} | {e.total_tokens} | {e.tokens_per_round:.2f} | "
+                     f"{e.round_seconds * 1e3:.1f} | {e.tokens_per_second:.2f} | {result.speedup(e):.2f}x |")
+    return "\n".join(lines)
+
+
+# ---- command line ----------------------------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from .assets import DTYPES
+
+    parser.add_argument("drafter", help="drafter folder, or 'default' (= 'poss2') / 'single' for a shipped one")
+    parser.add_argument("--target", default="default", help="'default', a model folder or a .gguf file")
+    parser.add_argument("--prompts", required=True, help="calibration prompts: a .jsonl file, a folder or registry:NAME")
+    parser.add_argument("--limit", type=int, default=2, help="questions per prompt set")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--top-k", type=_int_list, default=[1, 2, 4, 8], help="widths to calibrate (comma separated)")
+    parser.add_argument("--max-depth", type=int, default=8)
+    parser.add_argument("--totals", type=_int_list, default=[2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
+                        help="tree sizes to consider, root included")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per micro-benchmark")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output-dir", default=None,
+                        help="save the tuned drafter here (default: rewrite config.json of the drafter folder)")
+    parser.add_argument("--dry-run", action="store_true", help="print the ranking, write nothing")
+    return parser
+
+
+def run_tune(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_causal_lm, load_default_target, resolve_dtype
+    from .evaluation.prompts import chat_prompt, load_prompt_sets
+    from .modeling_poss import PosSDrafter
+
+    if args.max_depth < 1:
+        print("poss tune: error: --max-depth must be >= 1", file=sys.stderr)
+        return 2
+    shipped = {"default": "poss2", **{name: name for name in DEFAULT_DRAFTERS}}
+    folder = default_drafter_path(shipped[args.drafter]) if args.drafter in shipped else Path(args.drafter)
+    if not (folder / "config.json").is_file():
+        print(f"poss tune: error: {folder} holds no drafter (config.json missing)", file=sys.stderr)
+        return 2
+    try:
+        prompt_sets = load_prompt_sets(args.prompts, limit=args.limit)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"poss tune: error: {error}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(args.dtype, device)
+    log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+    if args.target == "default":
+        target, tokenizer = load_default_target(dtype=dtype, device=device)
+    else:
+        target, tokenizer = load_causal_lm(args.target, dtype=dtype, device=device)
+    drafter = PosSDrafter.from_pretrained(folder).bind_target(target)
+    prompts = [tokenizer(chat_prompt(tokenizer, q.turns, []), return_tensors="pt").input_ids
+               for questions in prompt_sets.values() for q in questions]
+    log(f"{len(prompts)} calibration prompts from {sorted(prompt_sets)}")
+    result = tune(target, drafter, prompts, top_ks=args.top_k, max_depth=args.max_depth, totals=args.totals,
+                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=log)
+    print(format_table(result))
+    best = result.best
+    print(f"\nplain decoding {result.decode_seconds_per_token * 1e3:.1f} ms/token; best budget depth {best.depth}, "
+          f"top_k {best.top_k}, total_tokens {best.total_tokens}: predicted {result.speedup(best):.2f}x")
+    if result.speedup(best) < 1:
+        print("note: no budget is predicted to beat plain decoding with this drafter on this device")
+    if args.dry_run:
+        return 0
+    config = drafter.config
+    record = result.record()
+    record["previous"] = {"tree_depth": config.tree_depth, "tree_top_k": config.tree_top_k,
+                          "tree_total_tokens": config.tree_total_tokens}
+    record["device"] = f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"
+    record["command"] = " ".join(["poss", *sys.argv[1:]])
+    config.tree_depth, config.tree_top_k, config.tree_total_tokens = best.depth, best.top_k, best.total_tokens
+    config.tuning_record = record
+    if args.output_dir:
+        drafter.save_pretrained(args.output_dir)
+        log(f"saved the tuned drafter to {args.output_dir}")
+    else:
+        config.save_pretrained(folder)  # config.json only; weights and card untouched
+        log(f"wrote the budget into {folder / 'config.json'}")
+    log(json.dumps(record["chosen"]))
+    return 0
+
+
+def add_subcommand(subparsers) -> None:
+    parser = subparsers.add_parser("tune", help="choose the tree budget that is fastest on this device",
+                                   description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.set_defaults(func=run_tune)

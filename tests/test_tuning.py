@@ -1,0 +1,87 @@
+"""`poss tune`: the replay of recorded rounds, the ranking, and the command's errors."""
+
+import pytest
+import torch
+
+from tiny_models import prompts
+from transformers_poss.cli import main as poss_main
+from transformers_poss.generation.drafting import DraftSession, draft_tree
+from transformers_poss.tuning import format_table, replay_accepted, subtree_candidates, tune
+
+
+def _traced_generate(target, drafter, prompt, depth, top_k, total_tokens, max_new_tokens=24):
+    config = drafter.config
+    config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens = "tree", depth, top_k, total_tokens
+    drafter.keep_round_traces = True
+    try:
+        target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+    finally:
+        drafter.keep_round_traces = False
+    return drafter.last_generation_stats
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_replay_at_the_calibrated_budget_reproduces_every_round(fitted_pairs, family):
+    target, drafter = fitted_pairs(family)
+    lengths, replayed = [], []
+    for prompt in prompts(target.config.vocab_size, 3):
+        stats = _traced_generate(target, drafter, prompt, depth=4, top_k=3, total_tokens=12)
+        assert len(stats.round_traces) == stats.num_rounds
+        lengths += stats.acceptance_lengths
+        replayed += [replay_accepted(trace, 4, 12) for trace in stats.round_traces]
+    assert replayed == lengths
+    assert 0 in lengths and max(lengths) >= 2  # rounds with nothing and with several drafts accepted
+
+
+def test_subtree_of_recorded_candidates_is_the_tree_drafted_with_the_smaller_budget(fitted_pairs):
+    target, drafter = fitted_pairs("llama")
+    ids = prompts(target.config.vocab_size, 1)[0]
+    with torch.no_grad():
+        out = target(ids[:, :-1], output_hidden_states=-1)
+    session = DraftSession(drafter)
+    session.commit(out.hidden_states[-1][0], ids[0, 1:])
+    big = draft_tree(session, ids[0, -1], depth=4, top_k=3, total_tokens=30)
+    session.end_round()
+    for depth, total in [(1, 3), (2, 5), (3, 8), (4, 12), (4, 30), (2, 30)]:
+        small = draft_tree(session, ids[0, -1], depth=depth, top_k=3, total_tokens=total)
+        session.end_round()
+        chosen = subtree_candidates(big.candidates, depth, total)
+        assert torch.equal(big.candidates.tokens[chosen], small.tokens[1:])
+        assert torch.equal(big.candidates.depths[chosen], small.depths[1:])
+
+
+def test_tune_ranks_every_budget_and_restores_the_config(fitted_pairs):
+    target, drafter = fitted_pairs("llama")
+    config = drafter.config
+    before = (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens)
+    result = tune(target, drafter, prompts(target.config.vocab_size, 2), top_ks=(1, 2), max_depth=3,
+                  totals=(2, 4, 8), max_new_tokens=16, repeats=1)
+    assert (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens) == before
+    budgets = {(e.depth, e.top_k, e.total_tokens) for e in result.estimates}
+    # top_k 1 allows d + 1 nodes at most; top_k 2 allows 1 + d * 4.
+    assert budgets == {(1, 1, 2), (2, 1, 2), (2, 1, 3), (3, 1, 2), (3, 1, 4), (1, 2, 2), (1, 2, 4), (1, 2, 5),
+                       (2, 2, 2), (2, 2, 4), (2, 2, 8), (3, 2, 2), (3, 2, 4), (3, 2, 8)}
+    speeds = [e.tokens_per_second for e in result.estimates]
+    assert speeds == sorted(speeds, reverse=True)
+    for e in result.estimates:
+        assert 1.0 <= e.tokens_per_round <= e.depth + 1
+        assert e.round_seconds > 0
+    assert max(e.tokens_per_round for e in result.estimates) > 1.0  # the fitted drafter is accepted sometimes
+    # More nodes at the same width and depth never accept less in the replay.
+    by_budget = {(e.depth, e.top_k, e.total_tokens): e.tokens_per_round for e in result.estimates}
+    assert by_budget[(3, 2, 8)] >= by_budget[(3, 2, 4)] >= by_budget[(3, 2, 2)]
+    assert set(result.verify_seconds) >= {2, 3, 4, 5, 8}
+    record = result.record()
+    assert record["chosen"] == {"tree_depth": result.best.depth, "tree_top_k": result.best.top_k,
+                                "tree_total_tokens": result.best.total_tokens}
+    assert format_table(result).count("\n") == 1 + min(12, len(result.estimates))
+
+
+def test_poss_tune_refuses_a_folder_without_a_drafter(tmp_path, capsys):
+    assert poss_main(["tune", str(tmp_path), "--prompts", str(tmp_path)]) == 2
+    assert "config.json missing" in capsys.readouterr().err
+
+
+def test_poss_tune_rejects_bad_lists():
+    with pytest.raises(SystemExit):
+        poss_main(["tune", "default", "--prompts", "x", "--top-k", "0,2"])
