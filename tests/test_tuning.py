@@ -6,7 +6,7 @@ import torch
 from tiny_models import prompts
 from transformers_poss.cli import main as poss_main
 from transformers_poss.generation.drafting import DraftSession, draft_tree
-from transformers_poss.tuning import format_table, replay_accepted, subtree_candidates, tune
+from transformers_poss.tuning import format_costs, format_table, replay_accepted, subtree_candidates, tune
 
 
 def _traced_generate(target, drafter, prompt, depth, top_k, total_tokens, max_new_tokens=24):
@@ -75,6 +75,7 @@ def test_tune_ranks_every_budget_and_restores_the_config(fitted_pairs):
     assert record["chosen"] == {"tree_depth": result.best.depth, "tree_top_k": result.best.top_k,
                                 "tree_total_tokens": result.best.total_tokens}
     assert format_table(result).count("\n") == 1 + min(12, len(result.estimates))
+    assert "verify" in format_costs(result) and "top_k=2" in format_costs(result)
 
 
 def test_poss_tune_refuses_a_folder_without_a_drafter(tmp_path, capsys):

@@ -267,6 +267,20 @@ def format_table(result: TuneResult, rows: int = 12) -> str:
     return "\n".join(lines)
 
 
+def format_costs(result: TuneResult) -> str:
+    """The measured cost model: verification by tree size, drafting by depth and width, in decode steps too."""
+    decode = result.decode_seconds_per_token
+    verify = ", ".join(f"{n}: {s * 1e3:.0f} ms ({s / decode:.2f})" for n, s in result.verify_seconds.items())
+    lines = [f"plain decoding: {decode * 1e3:.1f} ms/token; round overhead: {result.overhead_seconds * 1e3:.1f} ms",
+             f"verify (tree tokens: ms (decode steps)): {verify}"]
+    for k in sorted({k for _, k in result.draft_seconds}):
+        draft = ", ".join(f"{d}: {s * 1e3:.0f}" for (d, kk), s in sorted(result.draft_seconds.items()) if kk == k)
+        lines.append(f"draft top_k={k} (depth: ms): {draft}")
+    for k, alphas in result.position_acceptance.items():
+        lines.append(f"per-position acceptance, top_k={k}: " + " ".join(f"{a:.2f}" for a in alphas))
+    return "\n".join(lines)
+
+
 # ---- command line ----------------------------------------------------------------------------------------------
 def _int_list(text: str) -> list[int]:
     try:
@@ -336,6 +350,7 @@ def run_tune(args) -> int:
     log(f"{len(prompts)} calibration prompts from {sorted(prompt_sets)}")
     result = tune(target, drafter, prompts, top_ks=args.top_k, max_depth=args.max_depth, totals=args.totals,
                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=log)
+    print(format_costs(result) + "\n")
     print(format_table(result))
     best = result.best
     print(f"\nplain decoding {result.decode_seconds_per_token * 1e3:.1f} ms/token; best budget depth {best.depth}, "
