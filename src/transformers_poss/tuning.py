@@ -82,7 +82,8 @@ class TuneResult:
             "verify_ms": {str(n): round(s * 1e3, 2) for n, s in self.verify_seconds.items()},
             "draft_ms": {f"{d},{k}": round(s * 1e3, 2) for (d, k), s in self.draft_seconds.items()},
             "overhead_ms": round(self.overhead_seconds * 1e3, 2),
-            "position_acceptance": {str(k): [round(a, 4) for a in v] for k, v in self.position_acceptance.items()},
+            "position_acceptance": {str(k): [round(a, 4) if a == a else None for a in v]  # None: never reached
+                                    for k, v in self.position_acceptance.items()},
             **self.calibration,
         }
 
