@@ -230,6 +230,13 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     return model.eval(), tokenizer
 
 
+def load_target(name: str, dtype: torch.dtype, device: str | None = None):
+    """`(model, tokenizer)` for a `--target` option: `"default"` (SmolLM2-135M-Instruct), a folder or a `.gguf` file."""
+    if name == "default":
+        return load_default_target(dtype=dtype, device=device)
+    return load_causal_lm(name, dtype=dtype, device=device)
+
+
 def load_default_target(dtype: torch.dtype | None = None, cache_dir=None, device: str | None = None):
     """SmolLM2-135M-Instruct as `(model, tokenizer)`, converted on first use (download + about a minute).
 

@@ -319,7 +319,7 @@ def run_tune(args) -> int:
     import json
     from pathlib import Path
 
-    from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_causal_lm, load_default_target, resolve_dtype
+    from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_target, resolve_dtype
     from .evaluation.prompts import chat_prompt, load_prompt_sets
     from .modeling_poss import PosSDrafter
 
@@ -341,10 +341,7 @@ def run_tune(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, device)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    if args.target == "default":
-        target, tokenizer = load_default_target(dtype=dtype, device=device)
-    else:
-        target, tokenizer = load_causal_lm(args.target, dtype=dtype, device=device)
+    target, tokenizer = load_target(args.target, dtype, device)
     drafter = PosSDrafter.from_pretrained(folder).bind_target(target)
     prompts = [tokenizer(chat_prompt(tokenizer, q.turns, []), return_tensors="pt").input_ids
                for questions in prompt_sets.values() for q in questions]

@@ -116,7 +116,7 @@ def _check_args(args) -> None:
 
 
 def run_bench(args) -> int:
-    from ..assets import load_causal_lm, load_default_target
+    from ..assets import load_causal_lm, load_target
     from ..modeling_poss import PosSDrafter
     from .methods import assistant_method, baseline_method, poss_methods, prompt_lookup_method
     from .prompts import load_prompt_sets
@@ -145,10 +145,7 @@ def run_bench(args) -> int:
     dtype = resolve_dtype(args.dtype, device)
     log = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
     log(f"loading target {args.target} ({str(dtype).removeprefix('torch.')}, {device}) ...")
-    if args.target == "default":
-        target, tokenizer = load_default_target(dtype=dtype, device=device)
-    else:
-        target, tokenizer = load_causal_lm(args.target, dtype=dtype, device=device)
+    target, tokenizer = load_target(args.target, dtype, device)
 
     methods = [baseline_method()]
     if args.prompt_lookup:
