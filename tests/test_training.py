@@ -15,12 +15,13 @@ from transformers_poss import PosSDrafter
 from transformers_poss.generation.drafting import DraftSession, draft_chain
 from transformers_poss.training import (
     FeatureDataset, PosSTrainer, TrainingArguments, UnrolledObjective, build_examples, count_token_frequencies,
-    extract_features, format_conversation, iter_json_array, load_feature_dataset, load_records, self_distill,
-    to_messages, top_token_ids, unrolled_allowed, unrolled_forward, warm_start,
+    extract_features, format_conversation, iter_json_array, load_feature_dataset, load_feature_folders, load_records,
+    self_distill, to_messages, top_token_ids, unrolled_allowed, unrolled_forward, warm_start,
 )
 from transformers_poss.training.cli import arguments_from_namespace, build_train_parser
 from transformers_poss.training.data import ExampleDataset, assistant_mask_method
 from transformers_poss.training.objective import check_trainable
+from transformers_poss.training.pipeline import prepare_datasets
 
 # ---- tiny tokenizers with real chat templates ------------------------------------------------------------------
 SMOLLM2_TEMPLATE = (
@@ -398,6 +399,29 @@ def test_offline_features_round_trip_and_resume(tmp_path, fresh_accelerate):
     trainer = PosSTrainer(args, drafter, dataset, dataset)
     record = trainer.train()
     assert record["steps"] == 2 and all(0 <= a <= 1 for a in record["validation_position_accuracy"])
+
+
+def test_several_feature_folders_train_as_one(tmp_path):
+    target = tiny_target("llama")
+    examples = greedy_examples(target, 5)
+    first, second = tmp_path / "plain", tmp_path / "distilled"
+    extract_features(target, examples[:3], str(first), batch_size=2, metadata={"data": "plain.json"}, progress=False)
+    extract_features(target, examples[3:], str(second), batch_size=2, metadata={"data": "distilled.jsonl"},
+                     progress=False)
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), target="tiny", features=f"{first}, {second}",
+                             val_max_examples=1, val_fraction=0.2)
+    train, val, record, _ = prepare_datasets(args)
+    assert len(train) + len(val) == 5
+    rows = FeatureDataset(load_feature_folders([str(first), str(second)])[0])
+    assert [rows[i]["input_ids"].tolist() for i in range(5)] == [e["input_ids"] for e in examples]
+    assert record["features"] == [str(first), str(second)]
+    assert record["tokens"] == sum(len(e["input_ids"]) for e in examples)
+    assert [part["source"] for part in record["parts"]] == ["plain.json", "distilled.jsonl"]
+    # Features of another target are refused before any shard is read.
+    manifest = json.loads((second / "features.json").read_text())
+    (second / "features.json").write_text(json.dumps({**manifest, "hidden_size": manifest["hidden_size"] * 2}))
+    with pytest.raises(ValueError, match="different targets"):
+        load_feature_folders([str(first), str(second)])
 
 
 # ---- self-distillation, CLI ----------------------------------------------------------------------------------

@@ -168,6 +168,25 @@ def load_feature_dataset(path: str):
     return datasets.concatenate_datasets(shards) if len(shards) > 1 else shards[0]
 
 
+def load_feature_folders(paths: Sequence[str]) -> tuple[object, list[dict]]:
+    """Several feature folders of the same target as one dataset, in order: (dataset, their manifests).
+
+    Raises `ValueError` before loading any shard when the folders hold features of different targets (name or
+    hidden size) or one of them is incomplete."""
+    import datasets
+
+    if not paths:
+        raise ValueError("no feature folder given")
+    manifests = [load_manifest(path) for path in paths]
+    for key in ("hidden_size", "target"):
+        values = {m.get(key) for m in manifests}
+        if len(values) > 1:
+            found = ", ".join(f"{path}: {m.get(key)!r}" for path, m in zip(paths, manifests))
+            raise ValueError(f"the feature folders hold features of different targets ({key}: {found})")
+    parts = [load_feature_dataset(path) for path in paths]
+    return (datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]), manifests
+
+
 class FeatureDataset(torch.utils.data.Dataset):
     """Items `{"input_ids", "loss_mask", "target_argmax": [L], "features": [L, H] bfloat16}` from a feature
     dataset (or a subset of its rows)."""

@@ -8,7 +8,7 @@ from ..modeling_poss import PosSDrafter
 from .data import (
     ExampleDataset, build_examples, count_token_frequencies, draft_vocab_coverage, load_records, top_token_ids,
 )
-from .features import FeatureDataset, load_feature_dataset, load_manifest
+from .features import FeatureDataset, load_feature_folders
 from .trainer import PosSTrainer, TrainingArguments, has_checkpoint, split_indices, warm_start
 
 
@@ -34,15 +34,21 @@ def load_tokenizer(name_or_path: str, gguf_file: str | None = None):
 def prepare_datasets(args: TrainingArguments, tokenizer=None) -> tuple[object, object, dict, object]:
     """(train dataset, validation dataset, data record, token source for vocabulary counts)."""
     if args.features:
-        manifest = load_manifest(args.features)
-        dataset = load_feature_dataset(args.features)
+        folders = args.feature_folders()
+        dataset, manifests = load_feature_folders(folders)
         n = len(dataset) if args.limit is None else min(args.limit, len(dataset))
         train_idx, val_idx = split_indices(n, args.val_fraction, args.val_max_examples, args.seed)
         train, val = FeatureDataset(dataset, train_idx), FeatureDataset(dataset, val_idx)
-        record = {"source": manifest.get("metadata", {}).get("data", args.features), "features": args.features,
-                  "examples": n, "train_examples": len(train_idx), "val_examples": len(val_idx),
-                  "tokens": manifest.get("tokens"), **{k: v for k, v in manifest.get("metadata", {}).items()
-                                                       if k not in ("data",)}}
+        record = {"examples": n, "train_examples": len(train_idx), "val_examples": len(val_idx)}
+        if len(folders) == 1:
+            metadata = manifests[0].get("metadata", {})
+            record.update(source=metadata.get("data", folders[0]), features=folders[0],
+                          tokens=manifests[0].get("tokens"), **{k: v for k, v in metadata.items() if k != "data"})
+        else:
+            record.update(features=folders, tokens=sum(m.get("tokens") or 0 for m in manifests),
+                          parts=[{"features": folder, "source": m.get("metadata", {}).get("data", folder),
+                                  **{k: v for k, v in m.get("metadata", {}).items() if k != "data"}}
+                                 for folder, m in zip(folders, manifests)])
         return train, val, record, train.token_examples
     if tokenizer is None:
         tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.target_gguf_file)

@@ -44,7 +44,8 @@ class TrainingArguments:
         "help": "conversations: .json/.jsonl (ShareGPT or messages; truncated JSON arrays are fine), a save_to_disk "
                 "folder or a datasets id (online target features)"})
     data_split: str = field(default="train", metadata={"help": "split of a datasets source"})
-    features: str | None = field(default=None, metadata={"help": "feature folder from `poss features` (offline)"})
+    features: str | None = field(default=None, metadata={
+        "help": "feature folder from `poss features` (offline); several, comma separated, train on all of them"})
     limit: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
     max_length: int = field(default=2048, metadata={"help": "tokens per conversation (longer ones are cut)"})
     val_fraction: float = field(default=0.02, metadata={"help": "held-out fraction of examples"})
@@ -84,6 +85,10 @@ class TrainingArguments:
     seed: int = field(default=0, metadata={"help": "seed of initialisation, order, noise and split"})
     num_workers: int = field(default=0, metadata={"help": "data loader workers"})
     progress: bool = field(default=True, metadata={"help": "tqdm progress bars"})
+
+    def feature_folders(self) -> list[str]:
+        """The `--features` folders, in order."""
+        return [part.strip() for part in (self.features or "").split(",") if part.strip()]
 
     def unroll_depth(self) -> int:
         return self.depth if self.depth is not None else max(self.num_specialists * self.positions_per_specialist, 3)
