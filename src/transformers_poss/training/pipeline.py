@@ -42,8 +42,8 @@ def prepare_datasets(args: TrainingArguments, tokenizer=None) -> tuple[object, o
         record = {"examples": n, "train_examples": len(train_idx), "val_examples": len(val_idx)}
         if len(folders) == 1:
             metadata = manifests[0].get("metadata", {})
-            record.update(source=metadata.get("data", folders[0]), features=folders[0],
-                          tokens=manifests[0].get("tokens"), **{k: v for k, v in metadata.items() if k != "data"})
+            record.update({"source": metadata.get("data", folders[0]), "features": folders[0],
+                           "tokens": manifests[0].get("tokens"), **{k: v for k, v in metadata.items() if k != "data"}})
         else:
             record.update(features=folders, tokens=sum(m.get("tokens") or 0 for m in manifests),
                           parts=[{"features": folder, "source": m.get("metadata", {}).get("data", folder),
