@@ -161,9 +161,12 @@ def load_manifest(path: str) -> dict:
 
 def load_feature_dataset(path: str):
     """All shards of a feature folder as one memory-mapped `datasets.Dataset`."""
+    return _shards_as_one(path, load_manifest(path))
+
+
+def _shards_as_one(path: str, manifest: dict):
     import datasets
 
-    manifest = load_manifest(path)
     shards = [datasets.load_from_disk(os.path.join(path, _shard_name(i))) for i in range(manifest["shards"])]
     return datasets.concatenate_datasets(shards) if len(shards) > 1 else shards[0]
 
@@ -183,7 +186,7 @@ def load_feature_folders(paths: Sequence[str]) -> tuple[object, list[dict]]:
         if len(values) > 1:
             found = ", ".join(f"{path}: {m.get(key)!r}" for path, m in zip(paths, manifests))
             raise ValueError(f"the feature folders hold features of different targets ({key}: {found})")
-    parts = [load_feature_dataset(path) for path in paths]
+    parts = [_shards_as_one(path, manifest) for path, manifest in zip(paths, manifests)]
     return (datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]), manifests
 
 

@@ -39,16 +39,14 @@ def prepare_datasets(args: TrainingArguments, tokenizer=None) -> tuple[object, o
         n = len(dataset) if args.limit is None else min(args.limit, len(dataset))
         train_idx, val_idx = split_indices(n, args.val_fraction, args.val_max_examples, args.seed)
         train, val = FeatureDataset(dataset, train_idx), FeatureDataset(dataset, val_idx)
+        parts = [{"source": m.get("metadata", {}).get("data", folder), "features": folder, "tokens": m.get("tokens"),
+                  **{k: v for k, v in m.get("metadata", {}).items() if k != "data"}}
+                 for folder, m in zip(folders, manifests)]
         record = {"examples": n, "train_examples": len(train_idx), "val_examples": len(val_idx)}
-        if len(folders) == 1:
-            metadata = manifests[0].get("metadata", {})
-            record.update({"source": metadata.get("data", folders[0]), "features": folders[0],
-                           "tokens": manifests[0].get("tokens"), **{k: v for k, v in metadata.items() if k != "data"}})
+        if len(parts) == 1:
+            record.update(parts[0])
         else:
-            record.update(features=folders, tokens=sum(m.get("tokens") or 0 for m in manifests),
-                          parts=[{"features": folder, "source": m.get("metadata", {}).get("data", folder),
-                                  **{k: v for k, v in m.get("metadata", {}).items() if k != "data"}}
-                                 for folder, m in zip(folders, manifests)])
+            record.update(features=folders, tokens=sum(part["tokens"] or 0 for part in parts), parts=parts)
         return train, val, record, train.token_examples
     if tokenizer is None:
         tokenizer = load_tokenizer(args.tokenizer or args.target, None if args.tokenizer else args.target_gguf_file)
