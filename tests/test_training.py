@@ -417,6 +417,19 @@ def test_several_feature_folders_train_as_one(tmp_path):
     assert record["features"] == [str(first), str(second)]
     assert record["tokens"] == sum(len(e["input_ids"]) for e in examples)
     assert [part["source"] for part in record["parts"]] == ["plain.json", "distilled.jsonl"]
+    # A validation folder is held out whole: every --features example trains, none of its examples does.
+    held_out = tmp_path / "held-out"
+    extract_features(target, greedy_examples(target, 2, seed=1), str(held_out), batch_size=2,
+                     metadata={"data": "later.json"}, progress=False)
+    args.val_features = str(held_out)
+    train, val, record, _ = prepare_datasets(args)
+    assert [train[i]["input_ids"].tolist() for i in range(len(train))] == [e["input_ids"] for e in examples]
+    held_out_rows = FeatureDataset(load_feature_folders([str(held_out)])[0])
+    assert [val[i]["input_ids"].tolist() for i in range(len(val))] == \
+        [held_out_rows[i]["input_ids"].tolist() for i in range(2)]
+    assert record["val_examples"] == 2 and record["val_features"][0]["source"] == "later.json"
+    with pytest.raises(ValueError, match="needs --features"):
+        TrainingArguments(output_dir="x", target="t", data="d", val_features=str(held_out)).check()
     # Features of another target are refused before any shard is read.
     manifest = json.loads((second / "features.json").read_text())
     (second / "features.json").write_text(json.dumps({**manifest, "hidden_size": manifest["hidden_size"] * 2}))

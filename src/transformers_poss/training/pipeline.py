@@ -34,15 +34,24 @@ def load_tokenizer(name_or_path: str, gguf_file: str | None = None):
 def prepare_datasets(args: TrainingArguments, tokenizer=None) -> tuple[object, object, dict, object]:
     """(train dataset, validation dataset, data record, token source for vocabulary counts)."""
     if args.features:
-        folders = args.feature_folders()
-        dataset, manifests = load_feature_folders(folders)
-        n = len(dataset) if args.limit is None else min(args.limit, len(dataset))
-        train_idx, val_idx = split_indices(n, args.val_fraction, args.val_max_examples, args.seed)
+        folders, val_folders = args.feature_folders(), args.val_feature_folders()
+        # one load checks that training and validation folders hold features of the same target
+        dataset, manifests = load_feature_folders(folders + val_folders)
+        n_train_rows = sum(m["examples"] for m in manifests[:len(folders)])
+        n = n_train_rows if args.limit is None else min(args.limit, n_train_rows)
+        if val_folders:
+            train_idx, val_idx = list(range(n)), list(range(n_train_rows, len(dataset)))
+        else:
+            train_idx, val_idx = split_indices(n, args.val_fraction, args.val_max_examples, args.seed)
         train, val = FeatureDataset(dataset, train_idx), FeatureDataset(dataset, val_idx)
         parts = [{"source": m.get("metadata", {}).get("data", folder), "features": folder, "tokens": m.get("tokens"),
                   **{k: v for k, v in m.get("metadata", {}).items() if k != "data"}}
                  for folder, m in zip(folders, manifests)]
         record = {"examples": n, "train_examples": len(train_idx), "val_examples": len(val_idx)}
+        if val_folders:
+            record["val_features"] = [{"features": folder, "examples": m["examples"], "tokens": m.get("tokens"),
+                                       "source": m.get("metadata", {}).get("data", folder)}
+                                      for folder, m in zip(val_folders, manifests[len(folders):])]
         if len(parts) == 1:
             record.update(parts[0])
         else:

@@ -48,6 +48,9 @@ class TrainingArguments:
         "help": "feature folder from `poss features` (offline); several, comma separated, train on all of them"})
     limit: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
     max_length: int = field(default=2048, metadata={"help": "tokens per conversation (longer ones are cut)"})
+    val_features: str | None = field(default=None, metadata={
+        "help": "feature folder(s) held out whole for validation, comma separated (then every --features example "
+                "trains; default: a seeded split of --val-fraction / --val-max-examples)"})
     val_fraction: float = field(default=0.02, metadata={"help": "held-out fraction of examples"})
     val_max_examples: int = field(default=500, metadata={"help": "at most this many held-out examples"})
     num_specialists: int = field(default=1, metadata={"help": "position specialists (decoder layers)"})
@@ -88,7 +91,11 @@ class TrainingArguments:
 
     def feature_folders(self) -> list[str]:
         """The `--features` folders, in order."""
-        return [part.strip() for part in (self.features or "").split(",") if part.strip()]
+        return _folder_list(self.features)
+
+    def val_feature_folders(self) -> list[str]:
+        """The `--val-features` folders, in order."""
+        return _folder_list(self.val_features)
 
     def unroll_depth(self) -> int:
         return self.depth if self.depth is not None else max(self.num_specialists * self.positions_per_specialist, 3)
@@ -97,6 +104,9 @@ class TrainingArguments:
         """Raise `ValueError` on settings that cannot train, before any work."""
         if (self.data is None) == (self.features is None):
             raise ValueError("give exactly one of --data (conversations, online features) or --features (offline)")
+        if self.val_features is not None and self.features is None:
+            raise ValueError("--val-features needs --features (offline features); with --data the validation "
+                             "examples are a split of the data")
         if self.target is None:
             raise ValueError("--target is needed (its embedding and lm_head, and features when online)")
         positive = {"max_length": self.max_length, "num_specialists": self.num_specialists,
@@ -114,6 +124,10 @@ class TrainingArguments:
             raise ValueError(f"--mixed-precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be >= 1")
+
+
+def _folder_list(value: str | None) -> list[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
 
 
 def has_checkpoint(output_dir: str) -> bool:
