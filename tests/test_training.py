@@ -428,6 +428,9 @@ def test_several_feature_folders_train_as_one(tmp_path):
     assert [val[i]["input_ids"].tolist() for i in range(len(val))] == \
         [held_out_rows[i]["input_ids"].tolist() for i in range(2)]
     assert record["val_examples"] == 2 and record["val_features"][0]["source"] == "later.json"
+    with pytest.raises(ValueError, match="must be held out"):
+        TrainingArguments(output_dir="x", target="t", features=f"{first},{held_out}",
+                          val_features=str(held_out)).check()
     with pytest.raises(ValueError, match="needs --features"):
         TrainingArguments(output_dir="x", target="t", data="d", val_features=str(held_out)).check()
     # Features of another target are refused before any shard is read.

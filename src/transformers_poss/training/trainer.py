@@ -107,6 +107,9 @@ class TrainingArguments:
         if self.val_features is not None and self.features is None:
             raise ValueError("--val-features needs --features (offline features); with --data the validation "
                              "examples are a split of the data")
+        both = sorted(set(self.feature_folders()) & set(self.val_feature_folders()))
+        if both:
+            raise ValueError(f"{', '.join(both)} is in --features and --val-features: validation must be held out")
         if self.target is None:
             raise ValueError("--target is needed (its embedding and lm_head, and features when online)")
         positive = {"max_length": self.max_length, "num_specialists": self.num_specialists,
