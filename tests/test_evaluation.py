@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import math
+import sys
 import zipfile
 
 import pytest
@@ -342,3 +343,10 @@ def test_poss_bench_command_rejects_bad_input_before_loading(tmp_path, prompt_fo
     assert "--modes" in capsys.readouterr().err
     assert bench_main(["--target", "default"]) == 2
     assert "--prompts is required" in capsys.readouterr().err
+
+
+def test_poss_bench_needs_matplotlib_for_plots_before_loading(prompt_folder, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert bench_main(["--target", "default", "--prompts", str(prompt_folder)]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib" in err and "--no-plots" in err

@@ -532,3 +532,37 @@ def test_command_line_end_to_end(tmp_path, fresh_accelerate):
     assert record["init_from"]["draft_vocab_copied"] and record["features"].startswith("online")
     assert record["steps"] == 5 and len(record["validation_position_accuracy"]) == 4  # depth 2 x 2
     assert torch.equal(poss.draft_to_target, hass.draft_to_target)
+    # Both runs' logs end with the final validation (also after --max-steps), and plot together.
+    for run, steps in (("hass", 3), ("poss", 5)):
+        logged = [json.loads(line) for line in open(tmp_path / run / "train_log.jsonl")]
+        assert [r["step"] for r in logged if r["event"] == "validation"][-1] == steps
+    png = tmp_path / "curves.png"
+    assert main(["plot-training", f"hass={tmp_path / 'hass'}", str(tmp_path / "poss"), "--output", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_training_reads_resumed_logs_and_rejects_bad_ones(tmp_path, capsys):
+    from transformers_poss.cli import main
+    from transformers_poss.training.plots import read_training_log
+
+    def record(event, step, accuracy):
+        return json.dumps({"event": event, "step": step, "loss": 5.0 - step, "position_accuracy": [accuracy] * 2})
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # Steps 1-2, then a resume from the step-1 checkpoint logs step 2 again: the later record wins.
+    (run / "train_log.jsonl").write_text("\n".join(
+        [record("train", 1, 0.1), record("train", 2, 0.2), record("train", 2, 0.25), record("validation", 2, 0.3)]))
+    train, validation = read_training_log(run)
+    assert [(r["step"], r["position_accuracy"][0]) for r in train] == [(1, 0.1), (2, 0.25)]
+    assert [r["step"] for r in validation] == [2]
+    assert main(["plot-training", str(run)]) == 0 and (run / "training_curves.png").is_file()
+
+    assert main(["plot-training", str(tmp_path / "missing")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (run / "train_log.jsonl").write_text(record("train", 1, 0.1) + "\n{not json\n")
+    assert main(["plot-training", str(run), "--output", str(tmp_path / "x.png")]) == 2
+    assert "train_log.jsonl:2: not a training log record" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+    assert main(["plot-training", str(run), "--output", str(tmp_path / "x.pdf")]) == 2
+    assert "expected a .png" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..assets import DTYPES, resolve_dtype
+from ..plotting import require_matplotlib
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true", help="feed the turns as plain text")
     parser.add_argument("--output-dir", default=None,
                         help="where results.json, results.md and the plots go (default runs/bench-TIME)")
-    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-plots", action="store_true", help="write no PNG plots (matplotlib not needed)")
     parser.add_argument("--quiet", action="store_true", help="no per-question progress lines")
     return parser
 
@@ -113,6 +114,11 @@ def _check_args(args) -> None:
         raise FileNotFoundError(f"--assistant {args.assistant}: no such file or folder")
     if args.target != "default" and not Path(args.target).expanduser().exists():
         raise FileNotFoundError(f"--target {args.target}: no such file or folder (or use 'default')")
+    if not args.no_plots:
+        try:
+            require_matplotlib("poss bench's plots")
+        except ImportError as error:
+            raise RuntimeError(f"{error}, or pass --no-plots") from None
 
 
 def run_bench(args) -> int:

@@ -234,11 +234,9 @@ def markdown_table(rows: list[dict]) -> str:
 def write_plots(folder, rows: list[dict]) -> list[Path]:
     """`acceptance.png` (alpha_p per position, one line per PosS method) and `speedup.png` (bars per method and
     dataset); returns the files written (none when there is nothing to plot)."""
-    import matplotlib
+    from ..plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     datasets = list(dict.fromkeys(r["dataset"] for r in rows if r["dataset"] != ALL))

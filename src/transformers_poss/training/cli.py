@@ -1,12 +1,14 @@
-"""`poss train`, `poss features` and `poss distill`."""
+"""`poss train`, `poss features`, `poss distill` and `poss plot-training`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import sys
 import types
 import typing
+from pathlib import Path
 
 from .trainer import TrainingArguments
 
@@ -97,6 +99,39 @@ def run_distill(namespace: argparse.Namespace) -> int:
     return 0
 
 
+def parse_run_specs(specs: list[str]) -> dict[str, str]:
+    """`LABEL=FOLDER` / `FOLDER` -> {label: folder} (a folder's label is its name)."""
+    runs = {}
+    for spec in specs:
+        label, sep, folder = spec.partition("=")
+        if not sep or Path(spec).expanduser().exists():
+            label, folder = Path(spec).name, spec
+        if not label or not folder:
+            raise ValueError(f"{spec!r}: expected LABEL=FOLDER or FOLDER")
+        if label in runs:
+            raise ValueError(f"run labels must be unique; {label!r} is given twice (use LABEL=FOLDER)")
+        runs[label] = folder
+    return runs
+
+
+def run_plot_training(namespace: argparse.Namespace) -> int:
+    from ..plotting import require_matplotlib
+    from .plots import LOG_NAME, plot_training
+
+    try:
+        require_matplotlib("poss plot-training")
+        runs = parse_run_specs(namespace.runs)
+        output = namespace.output or Path(next(iter(runs.values()))) / "training_curves.png"
+        if Path(output).suffix.lower() != ".png":
+            raise ValueError(f"--output {output}: expected a .png file")
+        path = plot_training(runs, output)
+    except (ImportError, ValueError, FileNotFoundError) as error:
+        print(f"poss plot-training: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} ({len(runs)} run(s), from their {LOG_NAME})")
+    return 0
+
+
 def _target_and_data(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target model folder or Hub id")
     parser.add_argument("--target-gguf-file", default=None, help="GGUF file name inside --target")
@@ -132,3 +167,11 @@ def add_subcommand(subparsers) -> None:
     distill.add_argument("--max-prompt-length", type=int, default=2048)
     distill.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     distill.set_defaults(func=run_distill)
+
+    plot = subparsers.add_parser(
+        "plot-training", help="plot training curves (loss, per-position accuracy, validation) as a PNG",
+        description="Plot the train_log.jsonl of one or more `poss train` runs: training loss and accuracy by step, "
+                    "validation accuracy by draft position.")
+    plot.add_argument("runs", nargs="+", metavar="[LABEL=]FOLDER", help="`poss train` output folders")
+    plot.add_argument("--output", default=None, help="PNG file (default: FOLDER/training_curves.png of the first run)")
+    plot.set_defaults(func=run_plot_training)

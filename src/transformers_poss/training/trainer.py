@@ -312,7 +312,7 @@ class PosSTrainer:
                 history = self.state["validation"]
                 validated = bool(history) and history[-1]["step"] == self.state["global_step"]
                 if not validated:
-                    self.state["validation"].append(self.evaluate())
+                    self._validate()
                 self.state["finished"] = True
                 self.save_drafter(args.output_dir)
                 self.save_checkpoint()
@@ -325,7 +325,8 @@ class PosSTrainer:
     def _done(self) -> bool:
         return self.args.max_steps is not None and self.state["global_step"] >= self.args.max_steps
 
-    def _end_of_epoch(self) -> None:
+    def _validate(self) -> None:
+        """Evaluate, keep the result in the state, print it and log it (`"event": "validation"`)."""
         result = self.evaluate()
         self.state["validation"].append(result)
         if self.accelerator.is_main_process:
@@ -333,6 +334,9 @@ class PosSTrainer:
             print(f"epoch {self.state['epoch']} step {self.state['global_step']}: validation accuracy by draft "
                   f"position [{accuracy}]", flush=True)
             self._write_log({"event": "validation", **result})
+
+    def _end_of_epoch(self) -> None:
+        self._validate()
         if self.state["epoch"] >= self.args.epochs:
             self.state["finished"] = True
         self.save_drafter(self.args.output_dir)
