@@ -8,6 +8,7 @@ Modules:
     objective  the HASS/PosS "training-time test" unrolled over `depth` draft positions, and its loss.
     trainer    `PosSTrainer` on `accelerate`: mixed precision, accumulation, exact resume, validation, saving.
     pipeline   `run_training(TrainingArguments)`: the whole recipe, used by `poss train`/`examples/train_poss.py`.
+    plots      `plot_training`: loss, per-position accuracy and validation curves of runs (`poss plot-training`).
 
 A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples)::
 
@@ -29,6 +30,8 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples)::
     # 3b. PosS-2 with 3 specialists warm-started from it (every specialist starts as the trained layer)
     poss train --target models/smollm2 --features features/sharegpt_smollm2 --output-dir runs/poss2 \
         --num-specialists 3 --positions-per-specialist 2 --draft-vocab-size 8192 --init-from runs/hass
+    # 4. look at both runs (PNG): loss, accuracy at the first/last draft position, validation by position
+    poss plot-training hass=runs/hass poss2=runs/poss2 --output runs/curves.png
 
     # resume after an interruption (SIGTERM/Ctrl-C write a checkpoint first): the same command plus
     #   --resume latest        (or --resume runs/poss2/checkpoints/step-00001000)
