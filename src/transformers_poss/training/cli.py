@@ -116,7 +116,8 @@ def parse_run_specs(specs: list[str]) -> dict[str, str]:
 
 def run_plot_training(namespace: argparse.Namespace) -> int:
     from ..plotting import require_matplotlib
-    from .plots import LOG_NAME, plot_training
+    from .plots import plot_training
+    from .trainer import TRAIN_LOG_NAME
 
     try:
         require_matplotlib("poss plot-training")
@@ -128,7 +129,7 @@ def run_plot_training(namespace: argparse.Namespace) -> int:
     except (ImportError, ValueError, FileNotFoundError) as error:
         print(f"poss plot-training: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {path} ({len(runs)} run(s), from their {LOG_NAME})")
+    print(f"wrote {path} ({len(runs)} run(s), from their {TRAIN_LOG_NAME})")
     return 0
 
 

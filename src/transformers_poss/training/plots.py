@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-LOG_NAME = "train_log.jsonl"
+from .trainer import TRAIN_LOG_NAME
 
 
 def read_training_log(path: str | Path) -> tuple[list[dict], list[dict]]:
@@ -14,9 +14,10 @@ def read_training_log(path: str | Path) -> tuple[list[dict], list[dict]]:
     step. A resumed run logs the steps after its checkpoint again; the last record of a step wins."""
     path = Path(path).expanduser()
     if path.is_dir():
-        path = path / LOG_NAME
+        path = path / TRAIN_LOG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (expected the {LOG_NAME} of a `poss train` output folder)")
+        raise FileNotFoundError(
+            f"{path}: no such file (expected the {TRAIN_LOG_NAME} of a `poss train` output folder)")
     events: dict[str, dict[int, dict]] = {"train": {}, "validation": {}}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():

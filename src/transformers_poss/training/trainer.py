@@ -29,6 +29,7 @@ from .objective import UnrolledObjective, feature_noise
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
+TRAIN_LOG_NAME = "train_log.jsonl"  # one JSON record per line: "train" windows and "validation" results
 
 
 @dataclass
@@ -225,7 +226,7 @@ class PosSTrainer:
                       "wall_time_s": 0.0, "validation": [], "finished": False, "seed": args.seed}
         self._session_start = time.time()
         self._stop_requested = False
-        self.log_path = os.path.join(args.output_dir, "train_log.jsonl")
+        self.log_path = os.path.join(args.output_dir, TRAIN_LOG_NAME)
         self.history: list[dict] = []  # per optimizer step: loss (for tests and logs)
 
     # ---- properties -----------------------------------------------------------------------------------------------
