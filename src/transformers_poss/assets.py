@@ -214,6 +214,17 @@ def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
     return DTYPES[name] or preferred_dtype(device)
 
 
+def runtime_options(threads: int | None, device: str | None, dtype: str) -> tuple[str, torch.dtype]:
+    """A command's `--threads`, `--device` and `--dtype`: sets the CPU thread count, returns (device, torch dtype).
+
+    No `--device` means CUDA when present, else CPU; `--dtype auto` resolves on that device (`resolve_dtype`).
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, resolve_dtype(dtype, device)
+
+
 def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | None = None):
     """(model, tokenizer) from a folder, or from a `.gguf` file (dequantized); eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -319,7 +319,7 @@ def run_tune(args) -> int:
     import json
     from pathlib import Path
 
-    from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_target, resolve_dtype
+    from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_target, runtime_options
     from .evaluation.prompts import chat_prompt, load_prompt_sets
     from .modeling_poss import PosSDrafter
 
@@ -336,10 +336,7 @@ def run_tune(args) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"poss tune: error: {error}", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(args.dtype, device)
+    device, dtype = runtime_options(args.threads, args.device, args.dtype)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     target, tokenizer = load_target(args.target, dtype, device)
     drafter = PosSDrafter.from_pretrained(folder).bind_target(target)

@@ -12,9 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from ..assets import DTYPES, resolve_dtype
+from ..assets import DTYPES, runtime_options
 from ..plotting import require_matplotlib
 
 
@@ -145,10 +143,7 @@ def run_bench(args) -> int:
         print(f"poss bench: error: {error}", file=sys.stderr)
         return 2
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(args.dtype, device)
+    device, dtype = runtime_options(args.threads, args.device, args.dtype)
     log = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
     log(f"loading target {args.target} ({str(dtype).removeprefix('torch.')}, {device}) ...")
     target, tokenizer = load_target(args.target, dtype, device)
