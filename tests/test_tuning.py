@@ -58,9 +58,9 @@ def test_tune_ranks_every_budget_and_restores_the_config(fitted_pairs):
                   totals=(2, 4, 8), max_new_tokens=16, repeats=1)
     assert (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens) == before
     budgets = {(e.depth, e.top_k, e.total_tokens) for e in result.estimates}
-    # top_k 1 allows d + 1 nodes at most; top_k 2 allows 1 + d * 4.
-    assert budgets == {(1, 1, 2), (2, 1, 2), (2, 1, 3), (3, 1, 2), (3, 1, 4), (1, 2, 2), (1, 2, 4), (1, 2, 5),
-                       (2, 2, 2), (2, 2, 4), (2, 2, 8), (3, 2, 2), (3, 2, 4), (3, 2, 8)}
+    # Totals are capped at the tree's size with the root: top_k 1 allows d + 1 tokens, top_k 2 allows 3 + 4 (d - 1).
+    assert budgets == {(1, 1, 2), (2, 1, 2), (2, 1, 3), (3, 1, 2), (3, 1, 4), (1, 2, 2), (1, 2, 3),
+                       (2, 2, 2), (2, 2, 4), (2, 2, 7), (3, 2, 2), (3, 2, 4), (3, 2, 8)}
     speeds = [e.tokens_per_second for e in result.estimates]
     assert speeds == sorted(speeds, reverse=True)
     for e in result.estimates:
@@ -70,7 +70,7 @@ def test_tune_ranks_every_budget_and_restores_the_config(fitted_pairs):
     # More nodes at the same width and depth never accept less in the replay.
     by_budget = {(e.depth, e.top_k, e.total_tokens): e.tokens_per_round for e in result.estimates}
     assert by_budget[(3, 2, 8)] >= by_budget[(3, 2, 4)] >= by_budget[(3, 2, 2)]
-    assert set(result.verify_seconds) >= {2, 3, 4, 5, 8}
+    assert set(result.verify_seconds) >= {2, 3, 4, 7, 8}
     record = result.record()
     assert record["chosen"] == {"tree_depth": result.best.depth, "tree_top_k": result.best.top_k,
                                 "tree_total_tokens": result.best.total_tokens}

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generation.drafting import DraftSession, DraftTree, draft_tree, select_candidates
+from .generation.drafting import DraftSession, DraftTree, draft_tree, max_tree_nodes, select_candidates
 from .generation.stats import RoundTrace
 from .generation.tree_decoding import tree_attention_mask
 
@@ -173,7 +173,7 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
     for k in top_ks:
         for d in depths:
             def draft():
-                draft_tree(session, root, d, k, 1 + d * k * k)
+                draft_tree(session, root, d, k, 1 + max_tree_nodes(d, k))
                 session.end_round()
 
             results[(d, k)] = _median_seconds(draft, repeats)
@@ -210,7 +210,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     try:
         for k in top_ks:
             config.draft_mode, config.tree_depth, config.tree_top_k = "tree", max_depth, k
-            config.tree_total_tokens = min(max_total, 1 + max_depth * k * k)
+            config.tree_total_tokens = min(max_total, 1 + max_tree_nodes(max_depth, k))
             log(f"calibrating top_k={k} (depth {max_depth}, {config.tree_total_tokens} tokens) ...")
             traces[k], round_seconds[k] = [], []
             for ids in prompts:
@@ -226,8 +226,8 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
         config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens = saved
 
     budgets = [(d, k, t) for k in top_ks for d in range(1, max_depth + 1)
-               for t in sorted({min(t, 1 + d * k * k) for t in totals if t >= 2})]
-    calibrated_size = {k: min(max_total, 1 + max_depth * k * k) for k in top_ks}
+               for t in sorted({min(t, 1 + max_tree_nodes(d, k)) for t in totals if t >= 2})]
+    calibrated_size = {k: min(max_total, 1 + max_tree_nodes(max_depth, k)) for k in top_ks}
     context = max(prompts, key=lambda ids: ids.shape[1])
     sizes = sorted({t for _, _, t in budgets} | set(calibrated_size.values()))
     log(f"timing verification of {sizes} tokens ...")

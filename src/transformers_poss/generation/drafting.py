@@ -158,7 +158,7 @@ def draft_tree(session: DraftSession, root_token: torch.LongTensor, depth: int, 
     """
     drafter, config = session.drafter, session.drafter.config
     device = root_token.device
-    budget = min(total_tokens - 1, _max_tree_nodes(depth, top_k))
+    budget = min(total_tokens - 1, max_tree_nodes(depth, top_k))
     if budget <= 0 or depth <= 0:
         return _make_tree(root_token, [], [], [], device)
 
@@ -217,8 +217,8 @@ def select_candidates(scores: torch.Tensor, budget: int) -> torch.LongTensor:
     return torch.sort(order).values
 
 
-def _max_tree_nodes(depth: int, top_k: int) -> int:
-    """Most candidates a tree of this depth and width can score."""
+def max_tree_nodes(depth: int, top_k: int) -> int:
+    """Most draft nodes (root excluded) a tree of this depth and width can hold: top_k + (depth - 1) * top_k^2."""
     return top_k + max(depth - 1, 0) * top_k * top_k
 
 
