@@ -193,7 +193,8 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
         raise ValueError("tune needs at least one calibration prompt")
     config = drafter.config
     saved = (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens)
-    max_total = max(totals)
+    # Each width is calibrated with its largest tree (root included); smaller budgets are replayed as cuts of it.
+    calibrated_size = {k: min(max(totals), 1 + max_tree_nodes(max_depth, k)) for k in top_ks}
 
     log("timing plain decoding ...")
     decode_tokens, decode_seconds = 0, 0.0
@@ -210,7 +211,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     try:
         for k in top_ks:
             config.draft_mode, config.tree_depth, config.tree_top_k = "tree", max_depth, k
-            config.tree_total_tokens = min(max_total, 1 + max_tree_nodes(max_depth, k))
+            config.tree_total_tokens = calibrated_size[k]
             log(f"calibrating top_k={k} (depth {max_depth}, {config.tree_total_tokens} tokens) ...")
             traces[k], round_seconds[k] = [], []
             for ids in prompts:
@@ -220,14 +221,13 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
                 traces[k].extend(stats.round_traces)
                 round_seconds[k].extend(
                     sum(parts) for parts in zip(stats.draft_seconds, stats.verify_seconds, stats.bookkeeping_seconds))
-            acceptance[k] = _position_acceptance(traces[k], max_depth, config.tree_total_tokens)
+            acceptance[k] = _position_acceptance(traces[k], max_depth, calibrated_size[k])
     finally:
         drafter.keep_round_traces = False
         config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens = saved
 
     budgets = [(d, k, t) for k in top_ks for d in range(1, max_depth + 1)
                for t in sorted({min(t, 1 + max_tree_nodes(d, k)) for t in totals if t >= 2})]
-    calibrated_size = {k: min(max_total, 1 + max_tree_nodes(max_depth, k)) for k in top_ks}
     context = max(prompts, key=lambda ids: ids.shape[1])
     sizes = sorted({t for _, _, t in budgets} | set(calibrated_size.values()))
     log(f"timing verification of {sizes} tokens ...")
