@@ -159,6 +159,11 @@ def measure_verify_seconds(target, context_ids: torch.LongTensor, sizes, repeats
     return results
 
 
+def _full_tree_tokens(depth: int, top_k: int) -> int:
+    """Tokens a full tree of this depth and width sends to verification: its draft nodes plus the root."""
+    return 1 + max_tree_nodes(depth, top_k)
+
+
 @torch.no_grad()
 def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths, top_ks,
                           repeats: int = 5) -> dict[tuple[int, int], float]:
@@ -173,7 +178,7 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
     for k in top_ks:
         for d in depths:
             def draft():
-                draft_tree(session, root, d, k, 1 + max_tree_nodes(d, k))
+                draft_tree(session, root, d, k, _full_tree_tokens(d, k))
                 session.end_round()
 
             results[(d, k)] = _median_seconds(draft, repeats)
@@ -194,7 +199,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     config = drafter.config
     saved = (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens)
     # Each width is calibrated with its largest tree (root included); smaller budgets are replayed as cuts of it.
-    calibrated_size = {k: min(max(totals), 1 + max_tree_nodes(max_depth, k)) for k in top_ks}
+    calibrated_size = {k: min(max(totals), _full_tree_tokens(max_depth, k)) for k in top_ks}
 
     log("timing plain decoding ...")
     decode_tokens, decode_seconds = 0, 0.0
@@ -227,7 +232,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
         config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens = saved
 
     budgets = [(d, k, t) for k in top_ks for d in range(1, max_depth + 1)
-               for t in sorted({min(t, 1 + max_tree_nodes(d, k)) for t in totals if t >= 2})]
+               for t in sorted({min(t, _full_tree_tokens(d, k)) for t in totals if t >= 2})]
     context = max(prompts, key=lambda ids: ids.shape[1])
     sizes = sorted({t for _, _, t in budgets} | set(calibrated_size.values()))
     log(f"timing verification of {sizes} tokens ...")
