@@ -177,7 +177,7 @@ def run_bench(args) -> int:
     rows = summarize(run)
     env = environment(target, dtype)
     env["wall_seconds"] = round(time.time() - started, 1)
-    env["command"] = " ".join(sys.argv)
+    env["command"] = " ".join(["poss", *sys.argv[1:]])  # as typed, without the local install path
     output = Path(args.output_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     table = markdown_table(rows)
     print(table)
