@@ -315,7 +315,8 @@ def test_run_benchmark_rejects_bad_requests(fitted_pairs, tokenizer, prompt_fold
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------
-def test_poss_bench_command_end_to_end(fitted_pairs, tokenizer, prompt_folder, tmp_path, capsys):
+def test_poss_bench_command_end_to_end(fitted_pairs, tokenizer, prompt_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/home/someone/venv/bin/poss", "bench", "--limit", "1"])
     target, drafter = fitted_pairs("llama")
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
@@ -333,6 +334,7 @@ def test_poss_bench_command_end_to_end(fitted_pairs, tokenizer, prompt_folder, t
     assert [r["method"] for r in data["results"]] == ["baseline", "mine-tree"]
     assert data["methods"][1]["tree_depth"] == 3 and len(data["results"][1]["position_acceptance"]) == 3
     assert data["results"][1]["identical"] == 1
+    assert data["environment"]["command"] == "poss bench --limit 1"  # as typed, not the install path
     assert (out / "acceptance.png").is_file() and (out / "speedup.png").is_file()
 
 
