@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cli import typed_command
 from .generation.drafting import DraftSession, DraftTree, draft_tree, max_tree_nodes, select_candidates
 from .generation.stats import RoundTrace
 from .generation.tree_decoding import tree_attention_mask
@@ -364,7 +365,7 @@ def run_tune(args) -> int:
     record["previous"] = {"tree_depth": config.tree_depth, "tree_top_k": config.tree_top_k,
                           "tree_total_tokens": config.tree_total_tokens}
     record["device"] = f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"
-    record["command"] = " ".join(["poss", *sys.argv[1:]])
+    record["command"] = typed_command()
     config.tree_depth, config.tree_top_k, config.tree_total_tokens = best.depth, best.top_k, best.total_tokens
     config.tuning_record = record
     if args.output_dir:

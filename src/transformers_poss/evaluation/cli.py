@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from ..assets import DTYPES, runtime_options
+from ..cli import typed_command
 from ..plotting import require_matplotlib
 
 
@@ -177,7 +178,7 @@ def run_bench(args) -> int:
     rows = summarize(run)
     env = environment(target, dtype)
     env["wall_seconds"] = round(time.time() - started, 1)
-    env["command"] = _typed_command()
+    env["command"] = typed_command()
     output = Path(args.output_dir or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     table = markdown_table(rows)
     print(table)
@@ -190,12 +191,6 @@ def run_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(prog="poss bench", description=__doc__.splitlines()[0]))
-
-
-def _typed_command() -> str:
-    """The command line as a user would retype it: `poss ...` for the console script (not its install path)."""
-    program = "poss" if Path(sys.argv[0]).name == "poss" else sys.argv[0]
-    return " ".join([program, *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
