@@ -37,6 +37,11 @@ class PosSCandidateGenerator(CandidateGenerator):
         self._draft_seconds = 0.0
         self._drafted = 0
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Most tokens drafted per round (transformers >= 5.25 sizes the cache's rollback record from it)."""
+        return self.depth
+
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
         """`input_ids [1, L]` -> (`[1, L + n]` with n drafted tokens, processed logits `[1, n, V]` or None)."""
