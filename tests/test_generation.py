@@ -205,3 +205,57 @@ def test_verification_projects_only_the_rows_acceptance_visits(family, overrides
             assert sum(rows) < 1 + sum(stats.tree_sizes)
     finally:
         hook.remove()
+
+
+def test_lookup_continuation_prefers_longer_and_latest_matches():
+    from transformers_poss.generation.drafting import lookup_continuation
+
+    seq = torch.tensor([5, 6, 7, 1, 9, 6, 7, 2, 3, 6, 7])
+    # The 3-gram (3, 6, 7) never occurred before; the 2-gram (6, 7) last occurred at index 5, followed by 2, 3.
+    assert lookup_continuation(seq, 3, 4).tolist() == [2, 3, 6, 7]
+    assert lookup_continuation(seq, 3, 1).tolist() == [2]
+    seq = torch.tensor([1, 6, 7, 8, 4, 6, 7, 9, 1, 6, 7])
+    assert lookup_continuation(seq, 3, 2).tolist() == [8, 4]  # (1, 6, 7) beats the later (6, 7)
+    assert lookup_continuation(seq, 2, 2).tolist() == [9, 1]
+    assert lookup_continuation(torch.tensor([1, 2, 3, 4]), 3, 5).numel() == 0  # no repeated n-gram
+    assert lookup_continuation(torch.tensor([4]), 3, 5).numel() == 0
+
+
+def test_graft_branch_follows_matching_nodes_and_appends_the_rest():
+    from transformers_poss.generation.drafting import DraftTree, graft_branch
+
+    # root(10) -> a(11) -> b(12); root -> c(13)
+    parents = torch.tensor([-1, 0, 1, 0])
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    tree = DraftTree(torch.tensor([10, 11, 12, 13]), parents, torch.tensor([0, 1, 2, 1]), visible)
+    grafted = graft_branch(tree, torch.tensor([11, 12, 20, 21]))
+    assert grafted.tokens.tolist() == [10, 11, 12, 13, 20, 21]
+    assert grafted.parents.tolist() == [-1, 0, 1, 0, 2, 4]
+    assert grafted.depths.tolist() == [0, 1, 2, 1, 3, 4]
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for node in range(6):  # ancestor-or-self, from the parents
+        ancestor = node
+        while ancestor >= 0:
+            expected[node, ancestor] = True
+            ancestor = grafted.parents[ancestor].item()
+    assert torch.equal(grafted.visible, expected)
+    assert graft_branch(tree, torch.tensor([13])) is tree  # already in the tree
+    assert graft_branch(tree, torch.tensor([], dtype=torch.long)) is tree
+    assert graft_branch(tree, torch.tensor([30])).parents.tolist() == [-1, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_with_the_lookup_branch(fitted_pairs, family):
+    target, drafter = fitted_pairs(family)
+    drafter = copy.deepcopy(drafter)
+    drafter.config.draft_mode, drafter.config.lookup_num_tokens = "tree", 6
+    lookup_accepted = 0
+    for prompt in prompts(count=4):
+        repetitive = torch.cat((prompt, prompt, prompt), dim=1)  # gives the lookup matches to copy
+        for ids in (prompt, repetitive):
+            reference, speculative = _generate_both(target, drafter, ids, max_new_tokens=40)
+            assert torch.equal(reference, speculative), family
+            stats = drafter.last_generation_stats
+            lookup_accepted += stats.lookup_tokens
+            assert max(stats.tree_sizes) <= drafter.config.tree_total_tokens + 6
+    assert lookup_accepted > 0, "no token came from the lookup branch: the test would not exercise it"

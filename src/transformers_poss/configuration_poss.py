@@ -37,6 +37,11 @@ class PosSConfig(PretrainedConfig):
         tree_depth (`int`): draft positions per round.
         tree_top_k (`int`): children expanded per node and frontier width per depth.
         tree_total_tokens (`int`): verified tree size, root included.
+        lookup_num_tokens (`int`): tree mode: the longest continuation copied from the context (prompt lookup) and
+            grafted onto the draft tree as one more root path; `0` (default) drafts with the specialists only.
+            Verification keeps it lossless; it pays when answers repeat their prompt or themselves.
+        lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
+            their latest earlier occurrence.
         draft_vocab_size (`int`, *optional*): size of a reduced draft vocabulary (a drafter-own `lm_head`
             over the most frequent target tokens); `None` drafts over the full target vocabulary.
         training_record (`dict`, *optional*): data, steps, tokens and validation accuracy of training.
@@ -54,6 +59,8 @@ class PosSConfig(PretrainedConfig):
     tree_depth: int = 6
     tree_top_k: int = 10
     tree_total_tokens: int = 60
+    lookup_num_tokens: int = 0
+    lookup_ngram_size: int = 3
     draft_vocab_size: int | None = None
     training_record: dict | None = None
     tuning_record: dict | None = None
@@ -101,16 +108,14 @@ class PosSConfig(PretrainedConfig):
 
     def check_settings(self) -> None:
         """Raise `ValueError` on settings no drafter can run with."""
-        checks = {
-            "num_specialists": self.num_specialists,
-            "positions_per_specialist": self.positions_per_specialist,
-            "tree_depth": self.tree_depth,
-            "tree_top_k": self.tree_top_k,
-            "tree_total_tokens": self.tree_total_tokens,
+        minimums = {
+            "num_specialists": 1, "positions_per_specialist": 1, "tree_depth": 1, "tree_top_k": 1,
+            "tree_total_tokens": 1, "lookup_num_tokens": 0, "lookup_ngram_size": 2,
         }
-        for name, value in checks.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"PosSConfig.{name} must be an integer >= 1, got {value!r}")
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"PosSConfig.{name} must be an integer >= {minimum}, got {value!r}")
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"PosSConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if self.draft_vocab_size is not None and (

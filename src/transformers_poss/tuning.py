@@ -192,13 +192,15 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
          progress=None) -> TuneResult:
     """Calibrate on `prompts` (token ids `[1, L]` each) and rank every budget in the grid by predicted tokens/s.
 
-    The drafter must be bound to `target`; its config is left as it was.
+    The drafter must be bound to `target`; its config is left as it was. The prompt-lookup branch
+    (`lookup_num_tokens`) is not modelled: calibration runs without it, and the budget is chosen for the drafted tree.
     """
     log = progress or (lambda message: None)
     if not prompts:
         raise ValueError("tune needs at least one calibration prompt")
     config = drafter.config
-    saved = (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens)
+    saved = (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens,
+             config.lookup_num_tokens)
     # Each width is calibrated with its largest tree (root included); smaller budgets are replayed as cuts of it.
     calibrated_size = {k: min(max(totals), _full_tree_tokens(max_depth, k)) for k in top_ks}
 
@@ -217,7 +219,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     try:
         for k in top_ks:
             config.draft_mode, config.tree_depth, config.tree_top_k = "tree", max_depth, k
-            config.tree_total_tokens = calibrated_size[k]
+            config.tree_total_tokens, config.lookup_num_tokens = calibrated_size[k], 0
             log(f"calibrating top_k={k} (depth {max_depth}, {config.tree_total_tokens} tokens) ...")
             traces[k], round_seconds[k] = [], []
             for ids in prompts:
@@ -230,7 +232,8 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
             acceptance[k] = _position_acceptance(traces[k], max_depth, calibrated_size[k])
     finally:
         drafter.keep_round_traces = False
-        config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens = saved
+        (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens,
+         config.lookup_num_tokens) = saved
 
     budgets = [(d, k, t) for k in top_ks for d in range(1, max_depth + 1)
                for t in sorted({min(t, _full_tree_tokens(d, k)) for t in totals if t >= 2})]

@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tree-top-k", type=int, default=None, help="override every drafter's tree_top_k")
     parser.add_argument("--tree-total-tokens", type=int, default=None,
                         help="override every drafter's tree_total_tokens")
+    parser.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
+                        help="override every drafter's lookup_num_tokens (prompt-lookup branch grafted onto the tree; "
+                             "0 turns it off)")
     parser.add_argument("--prompts", action="append", default=[], metavar="SPEC",
                         help="a .jsonl file, a folder of them, registry:NAME (mt_bench, humaneval, nq, xsum, asdiv) or "
                              "a Hub dataset id[:split]; repeatable")
@@ -109,6 +112,8 @@ def _check_args(args) -> None:
         raise ValueError(f"--modes takes tree and/or chain, got {args.modes!r}")
     if args.prompt_lookup < 0:
         raise ValueError(f"--prompt-lookup must be >= 0, got {args.prompt_lookup}")
+    if args.lookup_tokens is not None and args.lookup_tokens < 0:
+        raise ValueError(f"--lookup-tokens must be >= 0, got {args.lookup_tokens}")
     if args.assistant is not None and not Path(args.assistant).expanduser().exists():
         raise FileNotFoundError(f"--assistant {args.assistant}: no such file or folder")
     if args.target != "default" and not Path(args.target).expanduser().exists():
@@ -160,7 +165,8 @@ def run_bench(args) -> int:
         if args.assistant_tokens:
             assistant.generation_config.num_assistant_tokens = args.assistant_tokens
         methods.append(assistant_method(assistant, source=str(args.assistant)))
-    budget = {"tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k, "tree_total_tokens": args.tree_total_tokens}
+    budget = {"tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k, "tree_total_tokens": args.tree_total_tokens,
+              "lookup_num_tokens": args.lookup_tokens}
     modes = [m for m in args.modes.split(",") if m]
     for name, folder in drafter_specs:
         drafter = PosSDrafter.from_pretrained(folder)

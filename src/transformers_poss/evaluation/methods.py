@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BASELINE = "baseline"
+BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens")
 
 
 @dataclass
@@ -17,8 +18,7 @@ class Method:
             a small model) or `"poss"`.
         generate_kwargs: extra keyword arguments for `generate` (e.g. `prompt_lookup_num_tokens`, `assistant_model`).
         drafter: the PosS drafter (kind `"poss"`); `mode` is its `draft_mode` for this method.
-        budget: PosS drafting budget set on the drafter's config before each call (`tree_depth`, `tree_top_k`,
-            `tree_total_tokens`).
+        budget: PosS drafting budget set on the drafter's config before each call (`BUDGET_KEYS`).
     """
 
     name: str
@@ -85,7 +85,10 @@ def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None
     for mode in modes:
         if mode not in ("tree", "chain"):
             raise ValueError(f"draft modes are 'tree' and 'chain', got {mode!r}")
-        budget = {key: budget_overrides.get(key) or getattr(drafter.config, key)
-                  for key in ("tree_depth", "tree_top_k", "tree_total_tokens")}
+        unknown = set(budget_overrides) - set(BUDGET_KEYS)
+        if unknown:
+            raise TypeError(f"unknown budget overrides {sorted(unknown)}; expected some of {BUDGET_KEYS}")
+        budget = {key: getattr(drafter.config, key) if budget_overrides.get(key) is None else budget_overrides[key]
+                  for key in BUDGET_KEYS}
         methods.append(Method(f"{name}-{mode}", "poss", drafter=drafter, mode=mode, budget=budget, source=source))
     return methods

@@ -123,10 +123,11 @@ class DraftCandidates:
 
 @dataclass
 class DraftTree:
-    """A draft tree, root first, nodes ordered by depth then creation (parents before children).
+    """A draft tree, root first, parents before children.
 
     Attributes:
-        tokens: `[n]` target token ids; `tokens[0]` is the root (the last accepted token).
+        tokens: `[n]` target token ids; `tokens[0]` is the root (the last accepted token). Drafted nodes come
+            depth by depth; a grafted lookup branch (`graft_branch`) follows them; parents always precede children.
         parents: `[n]` parent index (-1 for the root).
         depths: `[n]` depth (0 for the root).
         visible: `[n, n]` bool, `visible[i, j]` = node j is an ancestor of i or i itself (the tree attention mask).
@@ -242,6 +243,53 @@ def _make_tree(root_token, tokens, cand_parents, depths, device, chosen=None) ->
         visible[i, i] = True
     return DraftTree(torch.cat((root, tokens)), parents,
                      torch.cat((torch.zeros(1, dtype=torch.long, device=device), depths)), visible)
+
+
+LOOKUP_MIN_NGRAM = 2
+
+
+def lookup_continuation(sequence: torch.LongTensor, max_ngram: int, num_tokens: int) -> torch.LongTensor:
+    """Prompt lookup: what followed the latest earlier occurrence of the sequence's last `n` tokens.
+
+    Tries `n = max_ngram` down to `LOOKUP_MIN_NGRAM`; longer matches win. `sequence` is `[L]`; returns up to
+    `num_tokens` token ids `[m]` (`m = 0` when nothing matches).
+    """
+    length = sequence.shape[0]
+    for n in range(min(max_ngram, length - 1), LOOKUP_MIN_NGRAM - 1, -1):
+        windows = sequence[: length - 1].unfold(0, n, 1)  # [L - n, n]: every n-gram that has a next token
+        starts = (windows == sequence[-n:]).all(dim=1).nonzero()
+        if starts.numel():
+            begin = int(starts[-1]) + n
+            return sequence[begin : begin + num_tokens]
+    return sequence[:0]
+
+
+def graft_branch(tree: DraftTree, tokens: torch.LongTensor) -> DraftTree:
+    """`tree` with `tokens` `[m]` as a root path: existing nodes are followed while they match, the rest appended.
+
+    Siblings keep distinct tokens, so acceptance (greedy or rejection sampling) treats the grafted nodes as any
+    other candidate. The appended nodes come after every drafted node; `tree.candidates` is kept as drafted.
+    """
+    token_list, parent_list = tree.tokens.tolist(), tree.parents.tolist()
+    node, matched = 0, 0
+    for token in tokens.tolist():
+        child = next((c for c in range(node + 1, len(token_list)) if parent_list[c] == node and token_list[c] == token),
+                     None)
+        if child is None:
+            break
+        node, matched = child, matched + 1
+    new_tokens = tokens[matched:].to(tree.tokens.device)
+    m, n = new_tokens.shape[0], len(tree)
+    if m == 0:
+        return tree
+    parents = torch.cat((tree.parents, torch.arange(n - 1, n + m - 1, device=tree.parents.device)))
+    parents[n] = node
+    depths = torch.cat((tree.depths, tree.depths[node] + torch.arange(1, m + 1, device=tree.depths.device)))
+    visible = torch.zeros(n + m, n + m, dtype=torch.bool, device=tree.visible.device)
+    visible[:n, :n] = tree.visible
+    visible[n:, :n] = tree.visible[node]  # the graft point's ancestors and itself
+    visible[n:, n:] = torch.ones(m, m, dtype=torch.bool, device=tree.visible.device).tril()
+    return DraftTree(torch.cat((tree.tokens, new_tokens)), parents, depths, visible, tree.candidates)
 
 
 @torch.no_grad()

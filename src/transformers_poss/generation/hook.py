@@ -92,12 +92,12 @@ def check_sliding_window(target, drafter, prompt_length: int, max_length: int) -
     text_config = target.config.get_text_config()
     window = getattr(text_config, "sliding_window", None)
     if "sliding_attention" in (getattr(text_config, "layer_types", None) or []) and window is not None:
-        needed = max(max_length, prompt_length) + drafter.config.tree_total_tokens
+        needed = max(max_length, prompt_length) + drafter.config.tree_total_tokens + drafter.config.lookup_num_tokens
         if needed > window:
             raise ValueError(
                 f"This target has sliding-window layers (window {window}); tree verification is exact only while "
-                f"max_length + tree_total_tokens ({needed}) stays within the window. Lower max_new_tokens, or use "
-                "draft_mode='chain'."
+                f"max_length + tree_total_tokens + lookup_num_tokens ({needed}) stays within the window. Lower "
+                "max_new_tokens, or use draft_mode='chain'."
             )
 
 

@@ -32,6 +32,8 @@ class GenerationStats:
             verification forward and acceptance, and in cache compaction, feature feedback and stopping checks.
         tree_sizes: verified tokens per round (root included).
         new_tokens: tokens generated in total (prefill token included).
+        lookup_tokens: accepted draft tokens that only the grafted prompt-lookup branch proposed (tree mode with
+            `lookup_num_tokens`; counted in `acceptance_lengths` too).
         round_traces: per-round `RoundTrace`s when `drafter.keep_round_traces` is set (tree mode; `poss tune`).
     """
 
@@ -43,6 +45,7 @@ class GenerationStats:
     bookkeeping_seconds: list[float] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     new_tokens: int = 0
+    lookup_tokens: int = 0
     round_traces: list[RoundTrace] | None = None
 
     def record_round(self, accepted: int, tree_size: int, draft_s: float, verify_s: float, bookkeeping_s: float):
@@ -79,6 +82,7 @@ class GenerationStats:
             "draft_mode": self.draft_mode,
             "rounds": self.num_rounds,
             "new_tokens": self.new_tokens,
+            "lookup_tokens": self.lookup_tokens,
             "mean_acceptance_length": self.mean_acceptance_length,
             "position_acceptance": self.position_acceptance,
             "time_split_s": self.time_split(),

@@ -14,7 +14,7 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..modeling_poss import PosSDrafter, additive_mask
-from .drafting import DraftSession, DraftTree, draft_tree
+from .drafting import DraftSession, DraftTree, draft_tree, graft_branch, lookup_continuation
 from .stats import GenerationStats, RoundTrace
 
 
@@ -61,8 +61,14 @@ def tree_assisted_decoding(
     while not finished:
         start = time.perf_counter()
         length = input_ids.shape[1]
-        depth = max(min(config.tree_depth, generation_config.max_length - length - 1), 0)
-        tree = draft_tree(session, input_ids[0, -1], depth, config.tree_top_k, config.tree_total_tokens)
+        room = max(generation_config.max_length - length - 1, 0)  # draft tokens that can still be emitted
+        tree = draft_tree(session, input_ids[0, -1], min(config.tree_depth, room), config.tree_top_k,
+                          config.tree_total_tokens)
+        drafted_nodes = len(tree)
+        if config.lookup_num_tokens and room:
+            continuation = lookup_continuation(input_ids[0], config.lookup_ngram_size,
+                                               min(config.lookup_num_tokens, room))
+            tree = graft_branch(tree, continuation)
         drafted = time.perf_counter()
 
         past = length - 1
@@ -91,6 +97,7 @@ def tree_assisted_decoding(
         if streamer is not None:
             streamer.put(input_ids[0, -emitted:].cpu())
         stats.new_tokens += emitted
+        stats.lookup_tokens += sum(1 for node in path[1:] if node >= drafted_nodes)
         if not finished:
             path_index = torch.tensor(path, device=device)
             compact_cache(cache, torch.cat((torch.arange(past, device=device), past + path_index)))
