@@ -119,6 +119,7 @@ def environment(target=None, dtype=None) -> dict:
     import transformers
 
     from .. import __version__
+    from ..assets import cpu_has_native_bf16
 
     env = {
         "python": platform.python_version(),
@@ -130,6 +131,7 @@ def environment(target=None, dtype=None) -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu": _cpu_name(),
+        "cpu_native_bf16": cpu_has_native_bf16(),
         "cpu_count": os.cpu_count(),
         "memory_gb": _memory_gb(),
     }
