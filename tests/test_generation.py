@@ -207,6 +207,32 @@ def test_verification_projects_only_the_rows_acceptance_visits(family, overrides
         hook.remove()
 
 
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3", {"final_logit_softcapping": 2.0})])
+def test_verification_projecting_every_tree_row_in_one_pass(monkeypatch, family, overrides):
+    """In 16-bit or on an accelerator verification keeps every tree node's logits from its forward: one `lm_head`
+    pass per round, the same greedy output (checked in fp32 with the rule forced)."""
+    from transformers_poss.generation import tree_decoding
+
+    target = tiny_target(family, **overrides)
+    assert not tree_decoding.keeps_every_tree_row(target)  # fp32 on CPU: rows are projected as visited
+    assert tree_decoding.keeps_every_tree_row(copy.deepcopy(target).to(torch.bfloat16))
+    monkeypatch.setattr(tree_decoding, "keeps_every_tree_row", lambda model: True)
+    drafter = fitted_drafter(target, draft_vocab_size=target.config.vocab_size, steps=300, tree_depth=4,
+                             tree_top_k=3, tree_total_tokens=12)
+    calls = []
+    hook = target.get_output_embeddings().register_forward_hook(lambda m, args, out: calls.append(out.shape[-2]))
+    try:
+        for prompt in prompts(count=3):
+            reference = target.generate(prompt, do_sample=False, max_new_tokens=30)
+            calls.clear()
+            speculative = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=drafter)
+            assert torch.equal(reference, speculative)
+            stats = drafter.last_generation_stats
+            assert calls == [1] + stats.tree_sizes  # the prefill's last row, then one pass over each round's tree
+    finally:
+        hook.remove()
+
+
 def test_lookup_continuation_prefers_longer_and_latest_matches():
     from transformers_poss.generation.drafting import lookup_continuation
 

@@ -42,6 +42,8 @@ def tree_assisted_decoding(
     scores, raw_logits = [], []
     device = input_ids.device
 
+    keep_rows = 0 if keeps_every_tree_row(model) else torch.empty(0, dtype=torch.long, device=device)
+
     # Prefill: the prompt through the target; its first token is the first root.
     prompt_len = input_ids.shape[1]
     out = model(
@@ -79,7 +81,7 @@ def tree_assisted_decoding(
             cache=cache,
             use_cache=True,
             output_hidden_states=-1,
-            **_logits_to_keep(model, torch.empty(0, dtype=torch.long, device=device)),
+            **_logits_to_keep(model, keep_rows),
         )
         hidden = out.hidden_states[-1][0]  # [n, H]
         logits = TreeLogits(model, hidden, out.logits[0], tree, input_ids, logits_processor)
@@ -116,6 +118,18 @@ def tree_assisted_decoding(
             cache=cache,
         )
     return input_ids
+
+
+def keeps_every_tree_row(model) -> bool:
+    """Whether verification projects every tree node through the `lm_head` in its forward (one pass over the head).
+
+    The alternative is `TreeLogits` projecting the rows acceptance visits one at a time (about tau of them). Reading
+    the head's weights dominates in 16-bit and on accelerators: SmolLM2-135M's 49,152 x 576 head took 6.6 ms for one
+    row and 9.5 ms for 14 in bf16 on a 2-core AVX-512 BF16 CPU, so one pass wins from tau ~1.5. In fp32 on a CPU the
+    rows cost more (11 ms for one, 24 ms for 14 there), and visiting wins below tau ~2.2, where CPU drafters are.
+    `python examples/verify_cost.py --lm-head` measures both.
+    """
+    return model.device.type != "cpu" or model.dtype in (torch.bfloat16, torch.float16)
 
 
 def _logits_to_keep(model, keep) -> dict:
@@ -165,12 +179,13 @@ def tree_attention_mask(model, tree: DraftTree, past: int, device):
 
 
 class TreeLogits:
-    """Target logits of tree nodes, projected only for the nodes acceptance visits.
+    """Target logits of tree nodes: all of them from the forward, or projected only for the nodes acceptance visits.
 
-    The verification forward keeps no logits where the model takes `logits_to_keep`; `raw(i)` projects node `i`'s
-    last hidden state `[H]` through the target's output embeddings (and Gemma's final soft-capping) on first use, and
-    `self[i]` applies generate's logits processors with the node's own prefix (the sequence up to that node).
-    Acceptance walks one root path, so about tau rows of `[V]` are projected instead of one per tree node.
+    In fp32 on a CPU (see `keeps_every_tree_row`) the verification forward keeps no logits where the model takes
+    `logits_to_keep`; `raw(i)` then projects node `i`'s last hidden state `[H]` through the target's output
+    embeddings (and Gemma's final soft-capping) on first use. Acceptance walks one root path, so about tau rows of
+    `[V]` are projected instead of one per tree node. `self[i]` applies generate's logits processors with the
+    node's own prefix (the sequence up to that node).
     """
 
     def __init__(self, model, hidden: torch.Tensor, logits: torch.Tensor, tree: DraftTree, input_ids,
