@@ -278,6 +278,8 @@ def test_summary_json_markdown_and_plots(bench_run, tmp_path):
     assert tree["position_acceptance"] == pytest.approx(position_acceptance(lengths, drafter.config.tree_depth),
                                                          nan_ok=True)
     assert tree["identical"] == tree["compared"] == 4 and tree["time_split"]["verify"] > 0
+    assert tree["lookup_tokens"] == sum(r.lookup_tokens for r in run.records
+                                        if r.method == "fitted-tree" and r.dataset == "mt_bench")
     perturbed = by_key[("all", "perturbed")]
     assert perturbed["identical"] < perturbed["compared"] and perturbed["mismatches"]
     assert by_key[("all", "prompt-lookup")]["tau_source"] == "target_forwards"

@@ -37,7 +37,8 @@ def summarize(run: BenchmarkRun, metric=None) -> list[dict]:
     seconds), tokens_per_s_median (over turns), speedup (tokens_per_s / the baseline's), speedup_median (median over
     turns of the per-turn ratio to the baseline), mean_acceptance_length (tau; None for the baseline), tau_source
     ("rounds": PosS per-round records; "target_forwards": tokens per target forward), position_acceptance
-    (alpha_1..alpha_depth for PosS, else []), time_split (seconds, PosS), peak_memory_mb, identical / compared /
+    (alpha_1..alpha_depth for PosS, else []), time_split (seconds, PosS), lookup_tokens (PosS: accepted draft
+    tokens only the prompt-lookup branch proposed), peak_memory_mb, identical / compared /
     mismatches (greedy only), consistent / consistency_checked / max_gap.
     This is the `results` shape `transformers_poss.hub.load_benchmark` reads for model cards.
     """
@@ -96,6 +97,7 @@ def _summarize_method(dataset, method, records, baseline, baseline_rate, metric)
         row["tau_source"] = "rounds"
         row["time_split"] = {key: sum((r.time_split or {}).get(key, 0.0) for r in records)
                              for key in ("draft", "verify", "bookkeeping")}
+        row["lookup_tokens"] = sum(r.lookup_tokens or 0 for r in records)
     elif method.kind != "baseline":
         tokens = sum(r.new_tokens - 1 for r in records if r.target_forwards > 1)
         rounds = sum(r.target_forwards - 1 for r in records if r.target_forwards > 1)

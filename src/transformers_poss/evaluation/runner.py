@@ -38,6 +38,7 @@ class TurnRecord:
     tau: float | None = None
     tau_source: str | None = None  # "rounds" (PosS stats) or "target_forwards"
     time_split: dict | None = None  # PosS only: draft / verify / bookkeeping seconds
+    lookup_tokens: int | None = None  # PosS only: accepted draft tokens only the prompt-lookup branch proposed
     peak_memory_bytes: int | None = None
     identical: bool | None = None  # token identity with the baseline's answer (greedy only)
     first_mismatch: int | None = None
@@ -274,6 +275,7 @@ def _run_conversation(target, tokenizer, encode, question: Question, method: Met
             record.tau = stats.mean_acceptance_length
             record.tau_source = "rounds"
             record.time_split = stats.time_split()
+            record.lookup_tokens = stats.lookup_tokens
         elif method.kind != "baseline" and forwards > 1:
             # prefill gives the first token; each later target forward is one round producing a + 1 tokens
             record.tau = (len(output) - 1) / (forwards - 1)
