@@ -53,28 +53,36 @@ def test_tree_budgets_and_attention_implementations(fitted_pairs, attn, budget):
         assert max(stats.acceptance_lengths) <= budget["tree_depth"]
 
 
-@pytest.mark.parametrize("mode", ["tree", "chain"])
-def test_eos_inside_accepted_drafts_and_max_length(fitted_pairs, mode):
+@pytest.mark.parametrize("mode,lookup_tokens", [("tree", 0), ("chain", 0), ("tree", 6)])
+def test_eos_inside_accepted_drafts_and_max_length(fitted_pairs, mode, lookup_tokens):
     target, drafter = fitted_pairs("llama")
-    drafter.config.draft_mode = mode
+    drafter = copy.deepcopy(drafter)
+    drafter.config.draft_mode, drafter.config.lookup_num_tokens = mode, lookup_tokens
     prompt = prompts()[0]
+    if lookup_tokens:  # a prompt the lookup branch can copy from
+        prompt = torch.cat((prompt, prompt), dim=1)
     free_run = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:]
     stopped_mid_round = False
     for eos in dict.fromkeys(free_run[3:20].tolist()):  # several EOS choices; some fall inside accepted paths
         reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=30, eos_token_id=eos)
         assert torch.equal(reference, speculative)
         assert speculative[0, -1].item() == eos
-        stopped_mid_round |= drafter.last_generation_stats.acceptance_lengths[-1] > 0
+        rounds = drafter.last_generation_stats.acceptance_lengths  # none when the prefill's token is the EOS
+        stopped_mid_round |= bool(rounds) and rounds[-1] > 0
     assert stopped_mid_round
     for extra in (1, 2, 5, 13):
         reference, speculative = _generate_both(target, drafter, prompt, max_length=prompt.shape[1] + extra)
         assert torch.equal(reference, speculative) and speculative.shape[1] == prompt.shape[1] + extra
 
 
-def test_several_eos_ids_and_logits_processors(fitted_pairs):
+@pytest.mark.parametrize("lookup_tokens", [0, 6])
+def test_several_eos_ids_and_logits_processors(fitted_pairs, lookup_tokens):
     target, drafter = fitted_pairs("qwen2")
-    drafter.config.draft_mode = "tree"
+    drafter = copy.deepcopy(drafter)
+    drafter.config.draft_mode, drafter.config.lookup_num_tokens = "tree", lookup_tokens
     prompt = prompts()[1]
+    if lookup_tokens:  # grafted nodes get their own prefixes through the logits processors
+        prompt = torch.cat((prompt, prompt), dim=1)
     free_run = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:].tolist()
     eos_ids = [free_run[9], free_run[15]]
     for kwargs in (dict(eos_token_id=eos_ids), dict(repetition_penalty=1.5), dict(min_new_tokens=12, eos_token_id=eos_ids),
