@@ -191,14 +191,9 @@ def test_drafter_follows_target_dtype(fitted_pairs):
     assert drafter.fc.weight.device == target_bf16.get_output_embeddings().weight.device
 
 
-@pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3", {"final_logit_softcapping": 2.0})])
-def test_verification_projects_only_the_rows_acceptance_visits(family, overrides):
-    """Tree mode projects `lm_head` rows for the accepted path and the next token only, not for every tree node
-    (Gemma's final soft-capping applied to them as the model would)."""
-    target = tiny_target(family, **overrides)
-    # A drafter with its own head, so that every `lm_head` call counted below is the target's.
-    drafter = fitted_drafter(target, draft_vocab_size=target.config.vocab_size, steps=300, tree_depth=4,
-                             tree_top_k=3, tree_total_tokens=12)
+def _lm_head_rows_per_run(target, drafter):
+    """For three prompts: rows of each `lm_head` call in a speculative run (checked identical to plain generate),
+    with the run's stats."""
     rows = []
     hook = target.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(out[..., 0].numel()))
     try:
@@ -207,12 +202,26 @@ def test_verification_projects_only_the_rows_acceptance_visits(family, overrides
             rows.clear()
             speculative = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=drafter)
             assert torch.equal(reference, speculative)
-            stats = drafter.last_generation_stats
-            # The prefill keeps one row; each round projects one row per accepted draft plus the target's next token.
-            assert sum(rows) == 1 + sum(a + 1 for a in stats.acceptance_lengths)
-            assert sum(rows) < 1 + sum(stats.tree_sizes)
+            yield list(rows), drafter.last_generation_stats
     finally:
         hook.remove()
+
+
+def _drafter_with_own_head(target):
+    """A drafter with its own head, so that every `lm_head` call counted is the target's."""
+    return fitted_drafter(target, draft_vocab_size=target.config.vocab_size, steps=300, tree_depth=4, tree_top_k=3,
+                          tree_total_tokens=12)
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3", {"final_logit_softcapping": 2.0})])
+def test_verification_projects_only_the_rows_acceptance_visits(family, overrides):
+    """In fp32 on a CPU tree mode projects `lm_head` rows for the accepted path and the next token only, not for
+    every tree node (Gemma's final soft-capping applied to them as the model would)."""
+    target = tiny_target(family, **overrides)
+    for rows, stats in _lm_head_rows_per_run(target, _drafter_with_own_head(target)):
+        # The prefill keeps one row; each round projects one row per accepted draft plus the target's next token.
+        assert sum(rows) == 1 + sum(a + 1 for a in stats.acceptance_lengths)
+        assert sum(rows) < 1 + sum(stats.tree_sizes)
 
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3", {"final_logit_softcapping": 2.0})])
@@ -225,20 +234,8 @@ def test_verification_projecting_every_tree_row_in_one_pass(monkeypatch, family,
     assert not tree_decoding.keeps_every_tree_row(target)  # fp32 on CPU: rows are projected as visited
     assert tree_decoding.keeps_every_tree_row(copy.deepcopy(target).to(torch.bfloat16))
     monkeypatch.setattr(tree_decoding, "keeps_every_tree_row", lambda model: True)
-    drafter = fitted_drafter(target, draft_vocab_size=target.config.vocab_size, steps=300, tree_depth=4,
-                             tree_top_k=3, tree_total_tokens=12)
-    calls = []
-    hook = target.get_output_embeddings().register_forward_hook(lambda m, args, out: calls.append(out.shape[-2]))
-    try:
-        for prompt in prompts(count=3):
-            reference = target.generate(prompt, do_sample=False, max_new_tokens=30)
-            calls.clear()
-            speculative = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=drafter)
-            assert torch.equal(reference, speculative)
-            stats = drafter.last_generation_stats
-            assert calls == [1] + stats.tree_sizes  # the prefill's last row, then one pass over each round's tree
-    finally:
-        hook.remove()
+    for rows, stats in _lm_head_rows_per_run(target, _drafter_with_own_head(target)):
+        assert rows == [1] + stats.tree_sizes  # the prefill's last row, then one pass over each round's tree
 
 
 def test_lookup_continuation_prefers_longer_and_latest_matches():
