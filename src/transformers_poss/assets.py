@@ -344,12 +344,13 @@ def run_demo(args) -> int:
     _timed_generate(target, prompts[0], 8, drafter)
     tolerance = default_tolerance(dtype)
     totals = {"plain": [0, 0.0], "poss": [0, 0.0]}
-    lengths, identical, consistent = [], 0, 0
+    lengths, identical, consistent, lookup_tokens = [], 0, 0, 0
     for text, ids in zip(DEMO_PROMPTS, prompts):
         plain, plain_s = _timed_generate(target, ids, args.max_new_tokens)
         spec, spec_s = _timed_generate(target, ids, args.max_new_tokens, drafter)
         stats = drafter.last_generation_stats
         lengths.extend(stats.acceptance_lengths)
+        lookup_tokens += stats.lookup_tokens
         n_plain, n_spec = plain.shape[1] - ids.shape[1], spec.shape[1] - ids.shape[1]
         totals["plain"][0] += n_plain
         totals["plain"][1] += plain_s
@@ -378,7 +379,8 @@ def run_demo(args) -> int:
     alphas = position_acceptance(lengths, drafter.config.tree_depth)
     print(f"plain generate : {plain_rate:.1f} tokens/s")
     print(f"PosS generate  : {spec_rate:.1f} tokens/s  (speedup {spec_rate / plain_rate:.2f}x)")
-    print(f"acceptance length tau {mean_acceptance_length(lengths):.2f} over {len(lengths)} rounds")
+    print(f"acceptance length tau {mean_acceptance_length(lengths):.2f} over {len(lengths)} rounds"
+          + (f"; {lookup_tokens} accepted tokens came from the prompt-lookup branch alone" if lookup_tokens else ""))
     print("per-position acceptance: " + "  ".join(f"a{p}={a:.2f}" for p, a in enumerate(alphas, start=1)))
     print(f"identical outputs: {identical}/{len(prompts)}; greedy-consistent: {consistent}/{len(prompts)}"
           + ("" if dtype == torch.float32 else "  (bf16 multi-token verification can flip near-ties; "
