@@ -81,14 +81,15 @@ def assistant_method(assistant_model, name: str = "assistant", source: str | Non
 def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None,
                  **budget_overrides) -> list[Method]:
     """One method per draft mode for a PosS drafter, with its config's budget unless overridden."""
+    unknown = set(budget_overrides) - set(BUDGET_KEYS)
+    if unknown:
+        raise TypeError(f"unknown budget overrides {sorted(unknown)}; expected some of {BUDGET_KEYS}")
+    budget = {key: getattr(drafter.config, key) if budget_overrides.get(key) is None else budget_overrides[key]
+              for key in BUDGET_KEYS}
     methods = []
     for mode in modes:
         if mode not in ("tree", "chain"):
             raise ValueError(f"draft modes are 'tree' and 'chain', got {mode!r}")
-        unknown = set(budget_overrides) - set(BUDGET_KEYS)
-        if unknown:
-            raise TypeError(f"unknown budget overrides {sorted(unknown)}; expected some of {BUDGET_KEYS}")
-        budget = {key: getattr(drafter.config, key) if budget_overrides.get(key) is None else budget_overrides[key]
-                  for key in BUDGET_KEYS}
-        methods.append(Method(f"{name}-{mode}", "poss", drafter=drafter, mode=mode, budget=budget, source=source))
+        methods.append(Method(f"{name}-{mode}", "poss", drafter=drafter, mode=mode, budget=dict(budget),
+                              source=source))
     return methods

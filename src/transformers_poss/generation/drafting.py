@@ -282,6 +282,7 @@ def graft_branch(tree: DraftTree, tokens: torch.LongTensor) -> DraftTree:
     m, n = new_tokens.shape[0], len(tree)
     if m == 0:
         return tree
+    # Appended node n + i hangs below n + i - 1; the first one below the graft point.
     parents = torch.cat((tree.parents, torch.arange(n - 1, n + m - 1, device=tree.parents.device)))
     parents[n] = node
     depths = torch.cat((tree.depths, tree.depths[node] + torch.arange(1, m + 1, device=tree.depths.device)))
