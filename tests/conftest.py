@@ -21,11 +21,12 @@ def fitted_pairs():
     """One (target, fitted drafter) per family, built once per session (a few seconds each)."""
     cache = {}
 
-    def get(family: str, attn_implementation: str = "sdpa"):
-        key = (family, attn_implementation)
+    def get(family: str, attn_implementation: str = "sdpa", feature_layers: tuple[int, ...] | None = None):
+        key = (family, attn_implementation, feature_layers)
         if key not in cache:
             target = tiny_target(family, attn_implementation=attn_implementation)
-            cache[key] = (target, fitted_drafter(target, tree_depth=4, tree_top_k=3, tree_total_tokens=12))
+            extra = {"feature_layers": list(feature_layers)} if feature_layers else {}
+            cache[key] = (target, fitted_drafter(target, tree_depth=4, tree_top_k=3, tree_total_tokens=12, **extra))
         return cache[key]
 
     return get

@@ -21,7 +21,7 @@ from transformers_poss.training import (
 from transformers_poss.training.cli import arguments_from_namespace, build_train_parser
 from transformers_poss.training.data import ExampleDataset, assistant_mask_method
 from transformers_poss.training.objective import check_trainable
-from transformers_poss.training.pipeline import prepare_datasets
+from transformers_poss.training.pipeline import build_drafter, prepare_datasets
 
 # ---- tiny tokenizers with real chat templates ------------------------------------------------------------------
 SMOLLM2_TEMPLATE = (
@@ -153,23 +153,30 @@ def test_unrolled_attention_pattern():
     assert allowed.sum(-1).tolist() == [1, 2, 3, 4, 5]  # queries t < 2 see only their own draft inputs
 
 
-@pytest.mark.parametrize("family,num_specialists,k", [("llama", 3, 1), ("qwen2", 2, 2), ("gemma3", 3, 2)])
-def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k):
+@pytest.mark.parametrize("family,num_specialists,k,feature_layers", [
+    ("llama", 3, 1, None), ("qwen2", 2, 2, None), ("gemma3", 3, 2, None), ("llama", 2, 2, [0, 1, -1]),
+])
+def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, feature_layers):
     """Step j of the training forward = what `DraftSession`/`draft_chain` computes at draft position j + 1 when the
     drafted tokens are the sequence's own tokens: same layer inputs and positions, same attention, same output
-    features (fp32, tolerance 1e-5 relative to the largest feature)."""
+    features (fp32, tolerance 1e-5 relative to the largest feature). With several target layers the fusion is
+    random (not its pass-through initialisation), so both sides must fuse the same states the same way."""
     target = tiny_target(family)
     torch.manual_seed(3)
-    drafter = PosSDrafter.from_target(target, num_specialists=num_specialists, positions_per_specialist=k).eval()
+    drafter = PosSDrafter.from_target(target, num_specialists=num_specialists, positions_per_specialist=k,
+                                      feature_layers=feature_layers).eval()
+    if drafter.fuse is not None:
+        torch.nn.init.normal_(drafter.fuse.weight, std=0.1)
     depth = 5
     ids = torch.randint(0, 96, (1, 18), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        features = target(ids, output_hidden_states=-1).hidden_states[-1]
+        out = target(ids, output_hidden_states=drafter.config.input_feature_layers)
+        features = drafter.target_features(out.hidden_states)
         predictions, inputs = unrolled_forward(drafter, ids, features, depth, return_inputs=True)
     recorded = []
     original_logits = drafter.logits
     drafter.logits = lambda feats: (recorded.append(feats.clone()), original_logits(feats))[1]
-    compared, max_error, scale = 0, 0.0, features.abs().max().item()
+    compared, max_error, scale = 0, 0.0, out.hidden_states[-1].abs().max().item()
     try:
         for S in range(1, ids.shape[1] - depth):  # committed context 0..S-1, root x_S
             recorded.clear()
@@ -237,6 +244,53 @@ def test_warm_start_copies_the_layer_into_every_specialist(tmp_path):
     other = PosSDrafter.from_target(tiny_target("qwen2"))
     with pytest.raises(ValueError, match="model_type"):
         warm_start(poss, other)
+
+
+def test_fused_drafter_starts_where_its_last_layer_source_stands(tmp_path):
+    """A drafter reading target layers [0, 1, -1], warm-started from a last-layer-only drafter, predicts exactly what
+    its source predicts (its fusion passes the final state through) until training moves it; saving and loading keep
+    a trained fusion."""
+    target = tiny_target("llama")
+    torch.manual_seed(1)
+    source = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=3).eval()
+    fused = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=3,
+                                    feature_layers=[0, 1, -1]).eval()
+    info = warm_start(fused, source)
+    assert info["fuse_copied"] is False and info["source_feature_layers"] == [-1]
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=[0, 1, -1])
+        wide = fused.target_features(out.hidden_states)
+        assert wide.shape == (2, 12, 3 * 64)
+        assert torch.equal(wide[..., 64:128], out.hidden_states[1]) and torch.equal(wide[..., -64:], out.hidden_states[-1])
+        expected = unrolled_forward(source, ids, out.hidden_states[-1], 3)
+        for got, want in zip(unrolled_forward(fused, ids, wide, 3), expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        torch.nn.init.normal_(fused.fuse.weight, std=0.1)  # "trained": the lower layers now matter
+        moved = unrolled_forward(fused, ids, wide, 3)[0]
+        assert (moved - expected[0]).abs().max() > 1e-3
+    fused.save_pretrained(tmp_path / "fused")
+    loaded = PosSDrafter.from_pretrained(tmp_path / "fused")
+    assert loaded.config.feature_layers == [0, 1, -1]
+    assert torch.equal(loaded.fuse.weight, fused.fuse.weight)
+    again = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=3, feature_layers=[0, 1, -1])
+    assert warm_start(again, loaded)["fuse_copied"] is True and torch.equal(again.fuse.weight, fused.fuse.weight)
+
+
+@pytest.mark.parametrize("layers,message", [([1, 0], "end with -1"), ([5, -1], "distinct"), ([2, -1], "distinct"),
+                                             ("1,-1", "list of integers")])
+def test_feature_layers_are_checked(layers, message):
+    target = tiny_target("llama")  # 2 layers: hidden states 0, 1, 2 (= -1)
+    with pytest.raises(ValueError, match=message):
+        PosSDrafter.from_target(target, feature_layers=layers)
+
+
+def test_fused_drafter_refuses_a_target_of_another_depth():
+    drafter = PosSDrafter.from_target(tiny_target("llama"), feature_layers=[1, -1])
+    deeper = tiny_target("llama", num_hidden_layers=3)
+    with pytest.raises(ValueError, match="num_hidden_layers=2"):
+        drafter.bind_target(deeper)
+    PosSDrafter.from_target(tiny_target("llama")).bind_target(deeper)  # a last-layer drafter does not care
 
 
 # ---- trainer ----------------------------------------------------------------------------------------------------
@@ -438,6 +492,44 @@ def test_several_feature_folders_train_as_one(tmp_path):
     (second / "features.json").write_text(json.dumps({**manifest, "hidden_size": manifest["hidden_size"] * 2}))
     with pytest.raises(ValueError, match="different targets"):
         load_feature_folders([str(first), str(second)])
+
+
+def test_features_of_several_target_layers_train_a_fused_drafter(tmp_path, fresh_accelerate):
+    """`extract_features(feature_layers=[1, -1])` stores both states side by side; `prepare_datasets` takes the
+    layers from the folders (and refuses others), `build_drafter` builds a fused drafter that trains on them, and
+    folders of other layers do not mix."""
+    target = tiny_target("llama")
+    examples = greedy_examples(target, 4)
+    wide, narrow = tmp_path / "wide", tmp_path / "narrow"
+    manifest = extract_features(target, examples, str(wide), batch_size=2, metadata={"data": "x"}, progress=False,
+                                feature_layers=[1, -1])
+    assert manifest["feature_layers"] == [1, -1]
+    item = FeatureDataset(load_feature_dataset(str(wide)))[0]
+    with torch.no_grad():
+        out = target(torch.tensor([examples[0]["input_ids"]]), output_hidden_states=True)
+    assert item["features"].shape == (len(examples[0]["input_ids"]), 128)
+    for block, state in ((slice(0, 64), out.hidden_states[1]), (slice(64, 128), out.hidden_states[-1])):
+        torch.testing.assert_close(item["features"][:, block].float(), state[0].to(torch.bfloat16).float(),
+                                   rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="other data"):
+        extract_features(target, examples, str(wide), batch_size=2, metadata={"data": "x"}, progress=False)
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), target="tiny", features=str(wide), depth=3,
+                             num_specialists=1, positions_per_specialist=3, batch_size=2, mixed_precision="no",
+                             progress=False, max_steps=2, save_steps=0, val_fraction=0.25)
+    train, val, record, tokens = prepare_datasets(args)
+    assert record["feature_layers"] == [1, -1] and args.feature_layer_list() == [1, -1]
+    drafter, _ = build_drafter(args, target, tokens)
+    assert drafter.config.feature_layers == [1, -1] and drafter.fuse is not None
+    before = drafter.fuse.weight.detach().clone()
+    PosSTrainer(args, drafter, train, val).train()
+    trained = PosSDrafter.from_pretrained(tmp_path / "run")
+    assert trained.config.feature_layers == [1, -1] and not torch.equal(trained.fuse.weight.float(), before)
+    args.feature_layers = "0,-1"
+    with pytest.raises(ValueError, match="differ from the target layers"):
+        prepare_datasets(args)
+    extract_features(target, examples, str(narrow), batch_size=2, metadata={"data": "x"}, progress=False)
+    with pytest.raises(ValueError, match="feature_layers"):
+        load_feature_folders([str(wide), str(narrow)])
 
 
 # ---- self-distillation, CLI ----------------------------------------------------------------------------------

@@ -65,14 +65,16 @@ def fitted_drafter(target, num_specialists: int = 2, positions_per_specialist: i
     for step in range(steps):
         seq = sequences[step % len(sequences)]
         with torch.no_grad():
-            out = target(seq, output_hidden_states=-1)
-            features = out.hidden_states[-1]
+            out = target(seq, output_hidden_states=drafter.config.input_feature_layers)
+            target_features = drafter.target_features(out.hidden_states)
+            final = out.hidden_states[-1]
             target_next = out.logits.argmax(-1)
         specialist = step % num_specialists
-        pred = drafter(seq[:, 1:], features[:, :-1], specialist=specialist, return_logits=True)
+        pred = drafter(seq[:, 1:], drafter.fuse_features(target_features[:, :-1]), specialist=specialist,
+                       return_logits=True)
         # Position i holds (x_{i+1}, f_i) and predicts f_{i+1}, whose logits name the target's choice after x_{i+1}.
         loss = torch.nn.functional.cross_entropy(pred.logits[0], target_next[0, 1:])
-        loss = loss + torch.nn.functional.smooth_l1_loss(pred.features[0], features[0, 1:])
+        loss = loss + torch.nn.functional.smooth_l1_loss(pred.features[0], final[0, 1:])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

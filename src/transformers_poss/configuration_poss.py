@@ -32,6 +32,11 @@ class PosSConfig(PretrainedConfig):
             (1-based) uses specialist `min((p - 1) // k, num_specialists - 1)`. A single specialist is an
             EAGLE-2/HASS drafter.
         fc_bias (`bool`): whether the input projection `fc: 2H -> H` has a bias.
+        feature_layers (`list[int]`, *optional*): the target hidden states the drafter reads, as
+            `output_hidden_states` indices (0: embeddings, `i`: after decoder layer `i`, `-1`: the final post-norm
+            state), ending with `-1`. `None` (default) reads the final state only (EAGLE-1/2, HASS). More than one
+            (EAGLE-3-style low/mid/high fusion, e.g. `[3, 16, -1]`) adds `fuse: Linear(n * H -> H)` over their
+            concatenation; the drafter still predicts the final state, which deeper draft positions read.
         draft_mode (`str`): `"tree"` (EAGLE-2 dynamic tree, default) or `"chain"` (top-1 path through
             transformers' assisted-generation loop).
         tree_depth (`int`): draft positions per round.
@@ -55,6 +60,7 @@ class PosSConfig(PretrainedConfig):
     num_specialists: int = 1
     positions_per_specialist: int = 1
     fc_bias: bool = True
+    feature_layers: list[int] | None = None
     draft_mode: str = "tree"
     tree_depth: int = 6
     tree_top_k: int = 10
@@ -85,6 +91,11 @@ class PosSConfig(PretrainedConfig):
     @property
     def vocab_size(self) -> int | None:
         return self.target_config.get("vocab_size")
+
+    @property
+    def input_feature_layers(self) -> list[int]:
+        """The `output_hidden_states` indices of the target features the drafter reads (`[-1]` by default)."""
+        return list(self.feature_layers) if self.feature_layers else [-1]
 
     def specialist_for_position(self, position: int) -> int:
         """Index of the specialist that drafts 1-based draft `position` within a round."""
@@ -126,6 +137,7 @@ class PosSConfig(PretrainedConfig):
                 f"PosSConfig.draft_vocab_size must be None or an integer in [1, vocab_size={self.vocab_size}], "
                 f"got {self.draft_vocab_size!r}"
             )
+        self._check_feature_layers()
         if self.target_config:
             family = self.target_config.get("model_type")
             if family not in SUPPORTED_FAMILIES:
@@ -135,6 +147,27 @@ class PosSConfig(PretrainedConfig):
             for key in ("hidden_size", "vocab_size", "num_attention_heads", "intermediate_size"):
                 if not self.target_config.get(key):
                     raise ValueError(f"PosSConfig.target_config lacks {key!r}: it cannot rebuild the drafter layers")
+
+    def _check_feature_layers(self) -> None:
+        layers = self.feature_layers
+        if layers is None:
+            return
+        if (not isinstance(layers, (list, tuple)) or not layers
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+            raise ValueError(f"PosSConfig.feature_layers must be None or a list of integers, got {layers!r}")
+        if layers[-1] != -1:
+            raise ValueError(
+                f"PosSConfig.feature_layers must end with -1 (the target's final hidden state, which the drafter "
+                f"predicts), got {list(layers)}"
+            )
+        n_layers = (self.target_config or {}).get("num_hidden_layers")
+        if n_layers:
+            resolved = [i if i >= 0 else n_layers + 1 + i for i in layers]
+            if any(not 0 <= i <= n_layers for i in resolved) or len(set(resolved)) != len(resolved):
+                raise ValueError(
+                    f"PosSConfig.feature_layers {list(layers)} must be distinct hidden-state indices of a target with "
+                    f"{n_layers} layers (0 .. {n_layers}, or negative from -1)"
+                )
 
     @classmethod
     def from_target_config(cls, target_config: PretrainedConfig, **kwargs) -> "PosSConfig":

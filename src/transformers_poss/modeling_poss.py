@@ -1,7 +1,8 @@
 """`PosSDrafter`: a shared input projection and one decoder layer per group of draft positions.
 
 The drafter reads the target's last hidden state (after the final norm) `f_t` and the embedding of the next token
-`x_{t+1}`, and predicts `f_{t+1}`; the target's own `lm_head` turns predicted features into logits. Its decoder layers
+`x_{t+1}`, and predicts `f_{t+1}`; the target's own `lm_head` (or a reduced draft head) turns predicted features
+into logits. With `config.feature_layers`, the target's `f_t` is a learned fusion of several of its hidden states. Its decoder layers
 are the target family's own transformers classes, without the norm before attention. The token embedding and
 `lm_head` are the target's: they are bound by `bind_target` and never saved with the drafter.
 """
@@ -78,7 +79,13 @@ class PosSPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         std = self.config.target_config.get("initializer_range", 0.02)
-        if isinstance(module, nn.Linear):
+        if module is getattr(self, "fuse", None):
+            # Start as the last-layer-only drafter: pass the final hidden state through, ignore the others.
+            hidden = module.weight.shape[0]
+            with torch.no_grad():
+                module.weight.zero_()
+                module.weight[:, -hidden:] = torch.eye(hidden, dtype=module.weight.dtype)
+        elif isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -97,6 +104,8 @@ class PosSDrafter(PosSPreTrainedModel):
 
     Attributes:
         fc: `Linear(2H -> H)`, shared by all specialists.
+        fuse: only with several `config.feature_layers`: `Linear(nH -> H)` from the concatenated target hidden
+            states to the feature space (initialised to pass the final state through).
         specialists: `num_specialists` decoder layers of the target family (input norm removed).
         draft_lm_head: only with `config.draft_vocab_size`: `Linear(H -> Vd)` over the draft vocabulary, whose
             token ids in the target vocabulary are the `draft_to_target` buffer.
@@ -111,6 +120,8 @@ class PosSDrafter(PosSPreTrainedModel):
         layer_class, rotary_class = family_classes(config.target_model_type)
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        n_feature_layers = len(config.input_feature_layers)
+        self.fuse = nn.Linear(n_feature_layers * hidden, hidden, bias=False) if n_feature_layers > 1 else None
         self.specialists = nn.ModuleList(layer_class(layer_config, layer_idx=i) for i in range(config.num_specialists))
         for layer in self.specialists:
             layer.input_layernorm = nn.Identity()
@@ -199,6 +210,8 @@ class PosSDrafter(PosSPreTrainedModel):
             "hidden_size": (expected.get("hidden_size"), target_config.hidden_size),
             "vocab_size": (expected.get("vocab_size"), target_model.get_output_embeddings().weight.shape[0]),
         }
+        if self.fuse is not None:  # hidden-state indices mean the same layers only in a target of the same depth
+            facts["num_hidden_layers"] = (expected.get("num_hidden_layers"), target_config.num_hidden_layers)
         for name, (drafter_value, target_value) in facts.items():
             if drafter_value != target_value:
                 raise ValueError(
@@ -249,6 +262,17 @@ class PosSDrafter(PosSPreTrainedModel):
         self._require_bound()
         embed = self._bound["embed"]
         return embed(input_ids.to(embed.weight.device)).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+
+    def target_features(self, hidden_states: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """What the drafter reads from a target forward run with `output_hidden_states=config.input_feature_layers`:
+        the selected hidden states `[B, S, H]` each, concatenated to `[B, S, nH]` (`n = len(feature_layers)`)."""
+        layers = self.config.input_feature_layers
+        return hidden_states[-1] if len(layers) == 1 else torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+    def fuse_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Target features `[..., nH]` (see `target_features`) -> feature-space inputs `[..., H]`."""
+        target_features = target_features.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        return target_features if self.fuse is None else self.fuse(target_features)
 
     def project(self, input_ids: torch.LongTensor, features: torch.Tensor) -> torch.Tensor:
         """Layer inputs `fc(concat(embed(input_ids), features))`: `[B, S]`, `[B, S, H]` -> `[B, S, H]`."""

@@ -171,9 +171,10 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
     """`{(depth, top_k): seconds}` of `draft_tree` on a drafter session committed over `context_ids` `[1, L]`."""
     device = target.device
     context_ids = context_ids.to(device)
-    out = target(input_ids=context_ids[:, :-1], output_hidden_states=-1, logits_to_keep=1)
+    out = target(input_ids=context_ids[:, :-1], output_hidden_states=drafter.config.input_feature_layers,
+                 logits_to_keep=1)
     session = DraftSession(drafter)
-    session.commit(out.hidden_states[-1][0], context_ids[0, 1:])
+    session.commit(drafter.target_features(out.hidden_states)[0], context_ids[0, 1:])
     root = context_ids[0, -1]
     results = {}
     for k in top_ks:

@@ -15,16 +15,17 @@ from .stats import GenerationStats
 class PosSCandidateGenerator(CandidateGenerator):
     """Drafts `tree_depth` tokens along one path (top-1, or sampled when `do_sample`) with position specialists.
 
-    It reads the target's post-norm last hidden state from the previous verification forward
-    (`model_kwargs_overrides = {"output_hidden_states": -1}`), feeds the accepted positions to the drafter, and
+    It reads the target hidden states the drafter needs from the previous verification forward
+    (`model_kwargs_overrides = {"output_hidden_states": drafter.config.input_feature_layers}`), feeds the accepted
+    positions to the drafter, and
     returns the candidates with the processed drafter logits they were chosen from (`q` for speculative sampling).
     """
 
     requires_model_outputs = True
-    model_kwargs_overrides = {"output_hidden_states": -1}
 
     def __init__(self, drafter: PosSDrafter, generation_config, logits_processor=None):
         self.drafter = drafter
+        self.model_kwargs_overrides = {"output_hidden_states": drafter.config.input_feature_layers}
         self.session = DraftSession(drafter)
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
@@ -48,11 +49,11 @@ class PosSCandidateGenerator(CandidateGenerator):
         if is_first_iteration:  # the target has not run yet: let the loop prefill and give us its features
             return input_ids, None
         start = time.perf_counter()
-        hidden = model_outputs.hidden_states[-1][0]  # [n_verified, H]
-        count = hidden.shape[0] if not self._prefilled else int(n_last_matches) + 1  # prefill: the whole prompt
+        features = self.drafter.target_features(model_outputs.hidden_states)[0]  # [n_verified, nH]
+        count = features.shape[0] if not self._prefilled else int(n_last_matches) + 1  # prefill: the whole prompt
         self._prefilled = True
         self.session.end_round()
-        self.session.commit(hidden[:count], input_ids[0, -count:].to(hidden.device))
+        self.session.commit(features[:count], input_ids[0, -count:].to(features.device))
         depth = min(self.depth, self.max_length - input_ids.shape[1] - 1)
         self._drafted = max(depth, 0)
         if depth <= 0:  # only the target's own next token fits: not a drafting round

@@ -46,9 +46,11 @@ class DraftSession:
         self.node_visible = torch.empty(0, 0, dtype=torch.bool, device=device)  # [N, N] ancestor-or-self
 
     @torch.no_grad()
-    def commit(self, features: torch.Tensor, next_tokens: torch.LongTensor) -> None:
-        """Append committed positions: target features `[n, H]` of accepted tokens and the tokens after them `[n]`."""
-        inputs = self.drafter.project(next_tokens[None], features[None])[0]
+    def commit(self, target_features: torch.Tensor, next_tokens: torch.LongTensor) -> None:
+        """Append committed positions: target features `[n, nH]` of accepted tokens (`drafter.target_features`)
+        and the tokens after them `[n]`."""
+        features = self.drafter.fuse_features(target_features[None])
+        inputs = self.drafter.project(next_tokens[None], features)[0]
         self.context_inputs = inputs if self.context_inputs is None else torch.cat((self.context_inputs, inputs))
 
     def end_round(self) -> None:

@@ -46,9 +46,10 @@ def tree_assisted_decoding(
 
     # Prefill: the prompt through the target; its first token is the first root.
     prompt_len = input_ids.shape[1]
+    feature_layers = config.input_feature_layers  # the target hidden states the drafter reads, the final one last
     out = model(
         input_ids=input_ids, position_ids=torch.arange(prompt_len, device=device)[None], cache=cache,
-        use_cache=True, output_hidden_states=-1, **_logits_to_keep(model, 1),
+        use_cache=True, output_hidden_states=feature_layers, **_logits_to_keep(model, 1),
     )
     raw = out.logits[:, -1].to(dtype=torch.float32, device=device)
     processed = logits_processor(input_ids, raw.clone()) if logits_processor else raw
@@ -58,7 +59,7 @@ def tree_assisted_decoding(
     if streamer is not None:
         streamer.put(input_ids[:, -emitted:].cpu())
     stats.new_tokens += emitted
-    session.commit(out.hidden_states[-1][0, :prompt_len], input_ids[0, 1 : prompt_len + 1])
+    session.commit(drafter.target_features(out.hidden_states)[0, :prompt_len], input_ids[0, 1 : prompt_len + 1])
 
     while not finished:
         start = time.perf_counter()
@@ -80,10 +81,11 @@ def tree_assisted_decoding(
             attention_mask=tree_attention_mask(model, tree, past, device),
             cache=cache,
             use_cache=True,
-            output_hidden_states=-1,
+            output_hidden_states=feature_layers,
             **_logits_to_keep(model, keep_rows),
         )
-        hidden = out.hidden_states[-1][0]  # [n, H]
+        hidden = out.hidden_states[-1][0]  # [n, H] final hidden states (logits)
+        features = drafter.target_features(out.hidden_states)[0]  # [n, nH] what the drafter reads
         logits = TreeLogits(model, hidden, out.logits[0], tree, input_ids, logits_processor)
         path, next_token = (_accept_sampling if do_sample else _accept_greedy)(logits, tree)
         verified = time.perf_counter()
@@ -104,7 +106,7 @@ def tree_assisted_decoding(
             path_index = torch.tensor(path, device=device)
             compact_cache(cache, torch.cat((torch.arange(past, device=device), past + path_index)))
             session.end_round()
-            session.commit(hidden[path_index.to(hidden.device)], input_ids[0, -len(path):])
+            session.commit(features[path_index.to(features.device)], input_ids[0, -len(path):])
         stats.record_round(len(path) - 1, len(tree), drafted - start, verified - drafted,
                            time.perf_counter() - verified)
 

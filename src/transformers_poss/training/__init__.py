@@ -30,6 +30,12 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples)::
     # 3b. PosS-2 with 3 specialists warm-started from it (every specialist starts as the trained layer)
     poss train --target models/smollm2 --features features/sharegpt_smollm2 --output-dir runs/poss2 \
         --num-specialists 3 --positions-per-specialist 2 --draft-vocab-size 8192 --init-from runs/hass
+    # 3c. (optional) EAGLE-3-style fused target layers: features of several hidden states (3x the disk), and a
+    #     fused drafter warm-started from a last-layer one (its fusion starts as a pass-through of the final state)
+    poss features --target models/smollm2 --data $DATA --output features/sharegpt_smollm2_3x \
+        --feature-layers 3,16,-1 --max-length 2048
+    poss train --target models/smollm2 --features features/sharegpt_smollm2_3x --output-dir runs/poss2-fused \
+        --num-specialists 3 --positions-per-specialist 2 --draft-vocab-size 8192 --init-from runs/poss2
     # 4. look at both runs (PNG): loss, accuracy at the first/last draft position, validation by position
     poss plot-training hass=runs/hass poss2=runs/poss2 --output runs/curves.png
 

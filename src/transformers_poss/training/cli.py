@@ -77,12 +77,19 @@ def run_features(namespace: argparse.Namespace) -> int:
     from .data import build_examples
     from .features import extract_features
 
+    try:
+        layers = [int(part) for part in namespace.feature_layers.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"poss features: error: --feature-layers takes comma separated integers, "
+                         f"got {namespace.feature_layers!r}") from None
+    if not layers or layers[-1] != -1:
+        raise SystemExit(f"poss features: error: --feature-layers must end with -1, got {layers}")
     target, tokenizer, records = _target_tokenizer_records(namespace)
     examples, stats = build_examples(tokenizer, records, namespace.max_length, progress=True)
     metadata = {"data": namespace.data, "split": namespace.data_split, "limit": namespace.limit,
                 "max_length": namespace.max_length, "target_dtype": namespace.target_dtype, **stats}
     manifest = extract_features(target, examples, namespace.output, batch_size=namespace.batch_size,
-                                shard_size=namespace.shard_size, metadata=metadata)
+                                shard_size=namespace.shard_size, metadata=metadata, feature_layers=layers)
     print(json.dumps({k: manifest[k] for k in ("examples", "tokens", "bytes", "bytes_per_token", "shards")},
                      indent=2))
     return 0
@@ -159,6 +166,9 @@ def add_subcommand(subparsers) -> None:
     _target_and_data(features)
     features.add_argument("--max-length", type=int, default=2048)
     features.add_argument("--shard-size", type=int, default=256, help="examples per shard (resume granularity)")
+    features.add_argument("--feature-layers", default="-1",
+                          help="target hidden states to store, comma separated output_hidden_states indices ending "
+                               "in -1 (e.g. 3,16,-1 for a fused drafter; default: -1, the final one)")
     features.set_defaults(func=run_features)
 
     distill = subparsers.add_parser(

@@ -5,9 +5,10 @@ On-disk layout (`extract_features`): a folder with `features.json` (what was ext
 
 - `input_ids` (int32 `[L]`), `loss_mask` (int8 `[L]`),
 - `target_argmax` (int32 `[L]`): the target's greedy token after each position (for accuracy),
-- `features` (`Array2D` uint16 `[L, H]`): the post-norm last hidden state as bfloat16 bit patterns.
+- `features` (`Array2D` uint16 `[L, nH]`): the target hidden states the drafter reads (`feature_layers`, by
+  default only the final post-norm one, `n = 1`), concatenated, as bfloat16 bit patterns.
 
-That is about `2 * H + 9` bytes per token (1.16 KB for H = 576). Shards are written to a temporary name and renamed
+That is about `2 * nH + 9` bytes per token (1.16 KB for H = 576 and one layer). Shards are written to a temporary name and renamed
 when complete, so an interrupted extraction resumes at the first missing shard. `load_feature_dataset` memory-maps
 all shards.
 """
@@ -27,21 +28,30 @@ MANIFEST = "features.json"
 
 @torch.no_grad()
 def target_features(target, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                    argmax_chunk: int = 2048) -> tuple[torch.Tensor, torch.LongTensor]:
+                    feature_layers: Sequence[int] = (-1,), argmax_chunk: int = 2048) -> tuple[torch.Tensor, torch.LongTensor]:
     """One frozen target forward.
 
     Args:
         input_ids: `[B, L]`; attention_mask: `[B, L]` (right padding).
+        feature_layers: `output_hidden_states` indices to keep, ending with -1 (`PosSConfig.input_feature_layers`).
     Returns:
-        (post-norm last hidden states `[B, L, H]` in the target's dtype, the target's greedy next token `[B, L]`).
+        (the selected hidden states concatenated, `[B, L, nH]` in the target's dtype, the final post-norm one
+        last; the target's greedy next token `[B, L]`).
     """
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=-1, logits_to_keep=1,
+    layers = list(feature_layers)
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=layers, logits_to_keep=1,
                  use_cache=False)
-    features = out.hidden_states[-1]
+    final = out.hidden_states[-1]
+    features = final if len(layers) == 1 else torch.cat([out.hidden_states[i] for i in layers], dim=-1)
     lm_head = target.get_output_embeddings()
-    flat = features.reshape(-1, features.shape[-1])
+    flat = final.reshape(-1, final.shape[-1])
     argmax = torch.cat([lm_head(part.to(lm_head.weight.dtype)).argmax(-1) for part in flat.split(argmax_chunk)])
-    return features, argmax.reshape(features.shape[:-1])
+    return features, argmax.reshape(final.shape[:-1])
+
+
+def manifest_feature_layers(manifest: dict) -> list[int]:
+    """The hidden-state indices a feature folder holds (folders written before `feature_layers` hold `[-1]`)."""
+    return list(manifest.get("feature_layers") or [-1])
 
 
 def bf16_bits(features: torch.Tensor) -> np.ndarray:
@@ -60,7 +70,7 @@ def _shard_name(index: int) -> str:
 
 def extract_features(
     target, examples: Sequence[dict], output_dir: str, batch_size: int = 8, shard_size: int = 256,
-    metadata: dict | None = None, progress: bool = True,
+    metadata: dict | None = None, progress: bool = True, feature_layers: Sequence[int] = (-1,),
 ) -> dict:
     """Run the frozen target over tokenized examples once and save features to `output_dir` (resumable).
 
@@ -69,6 +79,7 @@ def extract_features(
         examples: `[{"input_ids": list[int], "loss_mask": list[int]}]`, in a fixed order (resume relies on it).
         shard_size: examples per shard (the resume granularity).
         metadata: recorded in the manifest (data source, max length...); a resumed extraction must match it.
+        feature_layers: target hidden states to store (`PosSConfig.input_feature_layers` of the drafters to train).
     Returns:
         the manifest: `examples`, `tokens`, `bytes`, `bytes_per_token`, `hidden_size`, `feature_dtype`, `shards`...
     """
@@ -77,10 +88,13 @@ def extract_features(
     if batch_size < 1 or shard_size < 1:
         raise ValueError("batch_size and shard_size must be >= 1")
     hidden = target.config.get_text_config().hidden_size
+    feature_layers = list(feature_layers)
+    if not feature_layers or feature_layers[-1] != -1:
+        raise ValueError(f"feature_layers must end with -1 (the final hidden state), got {feature_layers}")
     manifest = {
         "format": "transformers_poss.features/1", "target": getattr(target.config, "_name_or_path", None),
-        "hidden_size": hidden, "feature_dtype": "bfloat16 (uint16 bits)", "examples": len(examples),
-        "shard_size": shard_size, "metadata": metadata or {},
+        "hidden_size": hidden, "feature_layers": feature_layers, "feature_dtype": "bfloat16 (uint16 bits)",
+        "examples": len(examples), "shard_size": shard_size, "metadata": metadata or {},
     }
     os.makedirs(output_dir, exist_ok=True)
     manifest_path = os.path.join(output_dir, MANIFEST)
@@ -88,14 +102,15 @@ def extract_features(
         with open(manifest_path) as handle:
             previous = json.load(handle)
         keys = ("hidden_size", "examples", "shard_size", "metadata")
-        if any(previous.get(k) != json.loads(json.dumps(manifest[k])) for k in keys):
+        if (any(previous.get(k) != json.loads(json.dumps(manifest[k])) for k in keys)
+                or manifest_feature_layers(previous) != feature_layers):
             raise ValueError(f"{output_dir} holds features of other data or settings; use another folder")
     with open(manifest_path, "w") as handle:
         json.dump({**manifest, "complete": False}, handle, indent=2)
 
     schema = Features({
         "input_ids": Seq(Value("int32")), "loss_mask": Seq(Value("int8")), "target_argmax": Seq(Value("int32")),
-        "features": Array2D(shape=(None, hidden), dtype="uint16"),
+        "features": Array2D(shape=(None, len(feature_layers) * hidden), dtype="uint16"),
     })
     device = next(target.parameters()).device
     n_shards = (len(examples) + shard_size - 1) // shard_size
@@ -122,7 +137,7 @@ def extract_features(
             for r, i in enumerate(rows):
                 ids[r, : lengths[r]] = torch.as_tensor(part[i]["input_ids"])
                 attention[r, : lengths[r]] = 1
-            features, argmax = target_features(target, ids.to(device), attention.to(device))
+            features, argmax = target_features(target, ids.to(device), attention.to(device), feature_layers)
             bits, argmax = bf16_bits(features), argmax.cpu().numpy().astype(np.int32)
             for r, i in enumerate(rows):
                 n = lengths[r]
@@ -175,23 +190,25 @@ def load_feature_folders(paths: Sequence[str]) -> tuple[object, list[dict]]:
     """Several feature folders of the same target as one dataset, in order: (dataset, their manifests).
 
     Raises `ValueError` before loading any shard when the folders hold features of different targets (name or
-    hidden size) or one of them is incomplete."""
+    hidden size), of different target layers, or one of them is incomplete."""
     import datasets
 
     if not paths:
         raise ValueError("no feature folder given")
     manifests = [load_manifest(path) for path in paths]
-    for key in ("hidden_size", "target"):
-        values = {m.get(key) for m in manifests}
+    for manifest in manifests:
+        manifest["feature_layers"] = manifest_feature_layers(manifest)
+    for key in ("hidden_size", "target", "feature_layers"):
+        values = {json.dumps(m.get(key)) for m in manifests}
         if len(values) > 1:
             found = ", ".join(f"{path}: {m.get(key)!r}" for path, m in zip(paths, manifests))
-            raise ValueError(f"the feature folders hold features of different targets ({key}: {found})")
+            raise ValueError(f"the feature folders hold features of different targets or layers ({key}: {found})")
     parts = [_shards_as_one(path, manifest) for path, manifest in zip(paths, manifests)]
     return (datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]), manifests
 
 
 class FeatureDataset(torch.utils.data.Dataset):
-    """Items `{"input_ids", "loss_mask", "target_argmax": [L], "features": [L, H] bfloat16}` from a feature
+    """Items `{"input_ids", "loss_mask", "target_argmax": [L], "features": [L, nH] bfloat16}` from a feature
     dataset (or a subset of its rows)."""
 
     def __init__(self, dataset, indices: Sequence[int] | None = None):

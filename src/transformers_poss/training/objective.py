@@ -7,7 +7,8 @@ Step `j = 0 .. depth-1` plays inference draft position `j + 1`. For a query at `
 context is positions `0 .. t-j` (so `S = t - j + 1`) and whose draft levels `1 .. j` sit at positions
 `t-j+1 .. t`:
 
-- input set 0: `I_0[s] = fc(embed(x_{s+1}), f_s)` (target features, the committed context);
+- input set 0: `I_0[s] = fc(embed(x_{s+1}), f_s)` (target features, the committed context; with several
+  `feature_layers`, `f_s = fuse(h_s)` of the concatenated target hidden states `h_s`);
 - input set `i >= 1`: `I_i[s] = fc(embed(x_{s+1}), P_{i-1}[s-1])`: the level-`i` node at position `s`, i.e. the
   (ground-truth) drafted token with the feature the drafter predicted at step `i-1` one position earlier (detached);
 - step `j` runs specialist `config.specialist_for_position(j + 1)` with queries `I_j` and keys/values of sets
@@ -124,7 +125,8 @@ def unrolled_forward(
 
     Args:
         input_ids: `[B, L]` tokens.
-        features: `[B, L, H]` target features used as step-0 inputs (noised in training).
+        features: `[B, L, nH]` target features (`drafter.target_features`) used as step-0 inputs (noised in
+            training).
         depth: unroll steps (inference draft positions 1 .. depth).
         return_inputs: also return the layer inputs of every input set (`depth` tensors `[B, T, H]`).
     Returns:
@@ -142,7 +144,7 @@ def unrolled_forward(
     predictions: list[torch.Tensor] = []
     for step in range(depth):
         if step == 0:
-            step_features = features[:, :-1]
+            step_features = drafter.fuse_features(features[:, :-1])
         else:
             previous = predictions[-1].detach()
             step_features = torch.cat((torch.zeros_like(previous[:, :1]), previous[:, :-1]), dim=1)
@@ -226,16 +228,18 @@ class UnrolledObjective(nn.Module):
                 **unused) -> ObjectiveOutput:
         """
         Args:
-            input_ids: `[B, L]`; features: `[B, L, H]` clean target features (the regression targets);
-            loss_mask: `[B, L]` assistant tokens; input_features: `[B, L, H]` step-0 inputs (noised), defaults to
-            `features`; target_argmax: `[B, L]` the target's greedy token after each position (computed when None).
+            input_ids: `[B, L]`; features: `[B, L, nH]` clean target features (`drafter.target_features`; the
+            final hidden state, their last `H` columns, is the regression target); loss_mask: `[B, L]` assistant
+            tokens; input_features: `[B, L, nH]` step-0 inputs (noised), defaults to `features`; target_argmax:
+            `[B, L]` the target's greedy token after each position (computed when None).
         """
         drafter = self.drafter
         predictions = unrolled_forward(drafter, input_ids, features if input_features is None else input_features,
                                        self.depth)
         trained = prediction_mask(loss_mask)  # [B, T]
         rows, cols = trained.nonzero(as_tuple=True)
-        goal = features[:, 1:][rows, cols].float()  # [N, H] f_{t+1}
+        hidden = drafter.config.hidden_size
+        goal = features[:, 1:, -hidden:][rows, cols].float()  # [N, H] f_{t+1}, the final hidden state
         target_probs = torch.softmax(self.target_logits(goal), dim=-1)  # [N, V']
         if target_argmax is not None:
             greedy = target_argmax[:, 1:][rows, cols]

@@ -8,7 +8,7 @@ from ..modeling_poss import PosSDrafter
 from .data import (
     ExampleDataset, build_examples, count_token_frequencies, draft_vocab_coverage, load_records, top_token_ids,
 )
-from .features import FeatureDataset, load_feature_folders
+from .features import FeatureDataset, load_feature_folders, manifest_feature_layers
 from .trainer import PosSTrainer, TrainingArguments, has_checkpoint, split_indices, warm_start
 
 
@@ -47,7 +47,13 @@ def prepare_datasets(args: TrainingArguments, tokenizer=None) -> tuple[object, o
         parts = [{"source": m.get("metadata", {}).get("data", folder), "features": folder, "tokens": m.get("tokens"),
                   **{k: v for k, v in m.get("metadata", {}).items() if k != "data"}}
                  for folder, m in zip(folders, manifests)]
-        record = {"examples": n, "train_examples": len(train_idx), "val_examples": len(val_idx)}
+        layers, wanted = manifest_feature_layers(manifests[0]), args.feature_layer_list()
+        if wanted is not None and wanted != layers:
+            raise ValueError(f"--feature-layers {wanted} differ from the target layers the feature folders hold "
+                             f"({layers}): extract features with `poss features --feature-layers ...` to match")
+        args.feature_layers = ",".join(str(i) for i in layers)
+        record = {"examples": n, "train_examples": len(train_idx), "val_examples": len(val_idx),
+                  "feature_layers": layers}
         if val_folders:
             record["val_features"] = [{"features": folder, "examples": m["examples"], "tokens": m.get("tokens"),
                                        "source": m.get("metadata", {}).get("data", folder)}
@@ -77,7 +83,8 @@ def build_drafter(args: TrainingArguments, target, token_examples=None) -> tuple
     torch.manual_seed(args.seed)
     drafter = PosSDrafter.from_target(
         target, num_specialists=args.num_specialists, positions_per_specialist=args.positions_per_specialist,
-        draft_vocab_size=args.draft_vocab_size, fc_bias=args.fc_bias, tree_depth=args.tree_depth,
+        draft_vocab_size=args.draft_vocab_size, fc_bias=args.fc_bias, feature_layers=args.feature_layer_list(),
+        tree_depth=args.tree_depth,
         tree_top_k=args.tree_top_k, tree_total_tokens=args.tree_total_tokens,
         target_name_or_path=args.target,
     )

@@ -61,6 +61,9 @@ class TrainingArguments:
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "reduced draft vocabulary: the N most frequent assistant tokens of the training data"})
     fc_bias: bool = field(default=True, metadata={"help": "bias in the input projection"})
+    feature_layers: str | None = field(default=None, metadata={
+        "help": "target hidden states the drafter reads, comma separated output_hidden_states indices ending in -1 "
+                "(e.g. 3,16,-1: low, mid and final, fused; default: the final one only, or what --features holds)"})
     tree_depth: int = field(default=6, metadata={"help": "inference setting saved in config.json"})
     tree_top_k: int = field(default=10, metadata={"help": "inference setting saved in config.json"})
     tree_total_tokens: int = field(default=60, metadata={"help": "inference setting saved in config.json"})
@@ -98,6 +101,15 @@ class TrainingArguments:
         """The `--val-features` folders, in order."""
         return _folder_list(self.val_features)
 
+    def feature_layer_list(self) -> list[int] | None:
+        """`--feature-layers` as integers (None when not given)."""
+        if self.feature_layers is None:
+            return None
+        try:
+            return [int(part) for part in self.feature_layers.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"--feature-layers takes comma separated integers, got {self.feature_layers!r}") from None
+
     def unroll_depth(self) -> int:
         return self.depth if self.depth is not None else max(self.num_specialists * self.positions_per_specialist, 3)
 
@@ -128,6 +140,9 @@ class TrainingArguments:
             raise ValueError(f"--mixed-precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be >= 1")
+        layers = self.feature_layer_list()
+        if layers is not None and (not layers or layers[-1] != -1):
+            raise ValueError(f"--feature-layers must end with -1 (the target's final hidden state), got {layers}")
 
 
 def _folder_list(value: str | None) -> list[str]:
@@ -149,7 +164,9 @@ def split_indices(n: int, val_fraction: float, val_max: int, seed: int) -> tuple
 def warm_start(drafter: PosSDrafter, source: PosSDrafter | str) -> dict:
     """Initialise `drafter` from a trained drafter: its `fc`, and its layer `min(i, n_source - 1)` into specialist
     `i` (a single-specialist EAGLE/HASS drafter goes into every specialist); its draft vocabulary and head too when
-    both use one of the same size. Returns what was copied. Raises `ValueError` for drafters of another shape."""
+    both use one of the same size; its `fuse` when both read the same target layers (otherwise `fuse` keeps its
+    initialisation, which passes the final hidden state through, so a last-layer-only source starts a fused drafter
+    exactly where it stands). Returns what was copied. Raises `ValueError` for drafters of another shape."""
     if isinstance(source, str):
         source = PosSDrafter.from_pretrained(source)
     mine, theirs = drafter.config.target_config, source.config.target_config
@@ -171,8 +188,13 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str) -> dict:
             drafter.draft_lm_head.load_state_dict(source.draft_lm_head.state_dict())
             drafter.draft_to_target.copy_(source.draft_to_target)
             copied_vocab = True
+        copied_fuse = (drafter.fuse is not None and source.fuse is not None
+                       and drafter.config.input_feature_layers == source.config.input_feature_layers)
+        if copied_fuse:
+            drafter.fuse.load_state_dict(source.fuse.state_dict())
     return {"source": source.config.name_or_path or "in-memory drafter", "source_specialists": n_source,
-            "draft_vocab_copied": copied_vocab}
+            "draft_vocab_copied": copied_vocab, "fuse_copied": copied_fuse,
+            "source_feature_layers": source.config.input_feature_layers}
 
 
 class PosSTrainer:
@@ -245,7 +267,8 @@ class PosSTrainer:
         if "features" in batch:
             features, argmax = batch["features"], batch["target_argmax"]
         else:
-            features, argmax = target_features(self.drafter.bound_target, batch["input_ids"], batch["attention_mask"])
+            features, argmax = target_features(self.drafter.bound_target, batch["input_ids"], batch["attention_mask"],
+                                               self.drafter.config.input_feature_layers)
         inputs = {"input_ids": batch["input_ids"], "features": features, "loss_mask": batch["loss_mask"],
                   "target_argmax": argmax, "input_features": None}
         if noise and self.args.noise > 0:
