@@ -262,7 +262,8 @@ def test_fused_drafter_starts_where_its_last_layer_source_stands(tmp_path):
         out = target(ids, output_hidden_states=[0, 1, -1])
         wide = fused.target_features(out.hidden_states)
         assert wide.shape == (2, 12, 3 * 64)
-        assert torch.equal(wide[..., 64:128], out.hidden_states[1]) and torch.equal(wide[..., -64:], out.hidden_states[-1])
+        assert torch.equal(wide[..., 64:128], out.hidden_states[1])
+        assert torch.equal(wide[..., -64:], out.hidden_states[-1])
         expected = unrolled_forward(source, ids, out.hidden_states[-1], 3)
         for got, want in zip(unrolled_forward(fused, ids, wide, 3), expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

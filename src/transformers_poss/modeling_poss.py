@@ -2,9 +2,9 @@
 
 The drafter reads the target's last hidden state (after the final norm) `f_t` and the embedding of the next token
 `x_{t+1}`, and predicts `f_{t+1}`; the target's own `lm_head` (or a reduced draft head) turns predicted features
-into logits. With `config.feature_layers`, the target's `f_t` is a learned fusion of several of its hidden states. Its decoder layers
-are the target family's own transformers classes, without the norm before attention. The token embedding and
-`lm_head` are the target's: they are bound by `bind_target` and never saved with the drafter.
+into logits. With `config.feature_layers`, the target's `f_t` is a learned fusion of several of its hidden states.
+Its decoder layers are the target family's own transformers classes, without the norm before attention. The token
+embedding and `lm_head` are the target's: they are bound by `bind_target` and never saved with the drafter.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ On-disk layout (`extract_features`): a folder with `features.json` (what was ext
 - `features` (`Array2D` uint16 `[L, nH]`): the target hidden states the drafter reads (`feature_layers`, by
   default only the final post-norm one, `n = 1`), concatenated, as bfloat16 bit patterns.
 
-That is about `2 * nH + 9` bytes per token (1.16 KB for H = 576 and one layer). Shards are written to a temporary name and renamed
-when complete, so an interrupted extraction resumes at the first missing shard. `load_feature_dataset` memory-maps
-all shards.
+That is about `2 * nH + 9` bytes per token (1.16 KB for H = 576 and one layer). Shards are written to a temporary
+name and renamed when complete, so an interrupted extraction resumes at the first missing shard.
+`load_feature_dataset` memory-maps all shards.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ MANIFEST = "features.json"
 
 @torch.no_grad()
 def target_features(target, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                    feature_layers: Sequence[int] = (-1,), argmax_chunk: int = 2048) -> tuple[torch.Tensor, torch.LongTensor]:
+                    feature_layers: Sequence[int] = (-1,),
+                    argmax_chunk: int = 2048) -> tuple[torch.Tensor, torch.LongTensor]:
     """One frozen target forward.
 
     Args:
