@@ -270,9 +270,20 @@ class PosSDrafter(PosSPreTrainedModel):
         return hidden_states[-1] if len(layers) == 1 else torch.cat([hidden_states[i] for i in layers], dim=-1)
 
     def fuse_features(self, target_features: torch.Tensor) -> torch.Tensor:
-        """Target features `[..., nH]` (see `target_features`) -> feature-space inputs `[..., H]`."""
+        """Target features `[..., nH]` (see `target_features`) -> feature-space inputs `[..., H]`.
+
+        The states before the final one are taken from the residual stream, whose scale varies by token and layer
+        (SmolLM2-135M: RMS 3-10, single values up to 2.5e4 at layer 16): each is RMS-normalised (no weight) first.
+        The final state is already normalised and passes as it is.
+        """
         target_features = target_features.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
-        return target_features if self.fuse is None else self.fuse(target_features)
+        if self.fuse is None:
+            return target_features
+        hidden = self.config.hidden_size
+        lower, final = target_features[..., :-hidden], target_features[..., -hidden:]
+        lower = lower.unflatten(-1, (-1, hidden))
+        lower = nn.functional.rms_norm(lower.float(), (hidden,), eps=1e-6).to(final.dtype).flatten(-2)
+        return self.fuse(torch.cat((lower, final), dim=-1))
 
     def project(self, input_ids: torch.LongTensor, features: torch.Tensor) -> torch.Tensor:
         """Layer inputs `fc(concat(embed(input_ids), features))`: `[B, S]`, `[B, S, H]` -> `[B, S, H]`."""
