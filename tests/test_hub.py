@@ -81,6 +81,10 @@ def test_card_without_benchmark_or_hub_target(target, tmp_path):
     assert "model-index" not in meta and "base_model" not in meta  # a local path is not a Hub base model
     assert "No benchmark results" in text and "No training record" in text
     assert f"target_id = {json.dumps(str(local_target))}" in text
+    assert "| Target hidden states read (`feature_layers`) | the final state only |" in text
+    fused = PosSDrafter.from_target(target, feature_layers=[0, -1])
+    assert "| Target hidden states read (`feature_layers`) | 0, -1 (fused; -1 is the final state) |" in \
+        str(hub.render_card(fused))
 
 
 @pytest.mark.parametrize(
