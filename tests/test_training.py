@@ -572,6 +572,11 @@ def test_cli_arguments():
         TrainingArguments(output_dir="x", target="t").check()
     with pytest.raises(ValueError, match="depth"):
         TrainingArguments(output_dir="x", target="t", data="d", depth=0).check()
+    assert TrainingArguments(output_dir="x", target="t", data="d", feature_layers="3, 16,-1").feature_layer_list() \
+        == [3, 16, -1]
+    for bad, message in (("3,16", "end with -1"), ("3,x,-1", "integers")):
+        with pytest.raises(ValueError, match=message):
+            TrainingArguments(output_dir="x", target="t", data="d", feature_layers=bad).check()
     from transformers_poss.cli import build_parser
 
     top = build_parser()

@@ -75,15 +75,12 @@ def _target_tokenizer_records(namespace: argparse.Namespace):
 
 def run_features(namespace: argparse.Namespace) -> int:
     from .data import build_examples
-    from .features import extract_features
+    from .features import extract_features, parse_feature_layers
 
     try:
-        layers = [int(part) for part in namespace.feature_layers.split(",") if part.strip()]
-    except ValueError:
-        raise SystemExit(f"poss features: error: --feature-layers takes comma separated integers, "
-                         f"got {namespace.feature_layers!r}") from None
-    if not layers or layers[-1] != -1:
-        raise SystemExit(f"poss features: error: --feature-layers must end with -1, got {layers}")
+        layers = parse_feature_layers(namespace.feature_layers)
+    except ValueError as error:
+        raise SystemExit(f"poss features: error: {error}") from None
     target, tokenizer, records = _target_tokenizer_records(namespace)
     examples, stats = build_examples(tokenizer, records, namespace.max_length, progress=True)
     metadata = {"data": namespace.data, "split": namespace.data_split, "limit": namespace.limit,

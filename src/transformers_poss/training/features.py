@@ -50,6 +50,17 @@ def target_features(target, input_ids: torch.LongTensor, attention_mask: torch.T
     return features, argmax.reshape(final.shape[:-1])
 
 
+def parse_feature_layers(text: str) -> list[int]:
+    """`--feature-layers` ("3,16,-1") -> `[3, 16, -1]`; `ValueError` unless integers ending with -1."""
+    try:
+        layers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--feature-layers takes comma separated integers, got {text!r}") from None
+    if not layers or layers[-1] != -1:
+        raise ValueError(f"--feature-layers must end with -1 (the target's final hidden state), got {layers}")
+    return layers
+
+
 def manifest_feature_layers(manifest: dict) -> list[int]:
     """The hidden-state indices a feature folder holds (folders written before `feature_layers` hold `[-1]`)."""
     return list(manifest.get("feature_layers") or [-1])

@@ -24,7 +24,7 @@ import torch
 
 from ..modeling_poss import PosSDrafter
 from .data import EpochSampler, collate
-from .features import target_features
+from .features import parse_feature_layers, target_features
 from .objective import UnrolledObjective, feature_noise
 
 CHECKPOINTS = "checkpoints"
@@ -103,12 +103,7 @@ class TrainingArguments:
 
     def feature_layer_list(self) -> list[int] | None:
         """`--feature-layers` as integers (None when not given)."""
-        if self.feature_layers is None:
-            return None
-        try:
-            return [int(part) for part in self.feature_layers.split(",") if part.strip()]
-        except ValueError:
-            raise ValueError(f"--feature-layers takes comma separated integers, got {self.feature_layers!r}") from None
+        return None if self.feature_layers is None else parse_feature_layers(self.feature_layers)
 
     def unroll_depth(self) -> int:
         return self.depth if self.depth is not None else max(self.num_specialists * self.positions_per_specialist, 3)
@@ -140,9 +135,7 @@ class TrainingArguments:
             raise ValueError(f"--mixed-precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be >= 1")
-        layers = self.feature_layer_list()
-        if layers is not None and (not layers or layers[-1] != -1):
-            raise ValueError(f"--feature-layers must end with -1 (the target's final hidden state), got {layers}")
+        self.feature_layer_list()  # raises on a malformed --feature-layers
 
 
 def _folder_list(value: str | None) -> list[str]:
