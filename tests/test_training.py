@@ -497,8 +497,8 @@ def test_several_feature_folders_train_as_one(tmp_path):
 
 def test_features_of_several_target_layers_train_a_fused_drafter(tmp_path, fresh_accelerate):
     """`extract_features(feature_layers=[1, -1])` stores both states side by side; `prepare_datasets` takes the
-    layers from the folders (and refuses others), `build_drafter` builds a fused drafter that trains on them, and
-    folders of other layers do not mix."""
+    layers from the folders (or a subset of them, and refuses others), `build_drafter` builds a fused drafter that
+    trains on them, and folders of other layers do not mix."""
     target = tiny_target("llama")
     examples = greedy_examples(target, 4)
     wide, narrow = tmp_path / "wide", tmp_path / "narrow"
@@ -526,8 +526,12 @@ def test_features_of_several_target_layers_train_a_fused_drafter(tmp_path, fresh
     trained = PosSDrafter.from_pretrained(tmp_path / "run")
     assert trained.config.feature_layers == [1, -1] and not torch.equal(trained.fuse.weight.float(), before)
     args.feature_layers = "0,-1"
-    with pytest.raises(ValueError, match="differ from the target layers"):
+    with pytest.raises(ValueError, match="not all in the feature folders"):
         prepare_datasets(args)
+    args.feature_layers = "-1"  # a last-layer drafter trains on the same folder: the final block only
+    narrow_train, _, narrow_record, _ = prepare_datasets(args)
+    assert narrow_record["feature_layers"] == [-1]
+    assert torch.equal(narrow_train[0]["features"], train[0]["features"][:, 64:])
     extract_features(target, examples, str(narrow), batch_size=2, metadata={"data": "x"}, progress=False)
     with pytest.raises(ValueError, match="feature_layers"):
         load_feature_folders([str(wide), str(narrow)])

@@ -221,12 +221,20 @@ def load_feature_folders(paths: Sequence[str]) -> tuple[object, list[dict]]:
 
 class FeatureDataset(torch.utils.data.Dataset):
     """Items `{"input_ids", "loss_mask", "target_argmax": [L], "features": [L, nH] bfloat16}` from a feature
-    dataset (or a subset of its rows)."""
+    dataset (or a subset of its rows).
 
-    def __init__(self, dataset, indices: Sequence[int] | None = None):
+    `blocks` (with `hidden_size`) keeps only these of the stored hidden states, in this order: a folder of layers
+    `[3, 16, -1]` serves a last-layer drafter with `blocks=[2]`.
+    """
+
+    def __init__(self, dataset, indices: Sequence[int] | None = None, blocks: Sequence[int] | None = None,
+                 hidden_size: int | None = None):
+        if blocks is not None and hidden_size is None:
+            raise ValueError("selecting feature blocks needs hidden_size")
         self.ids = dataset.with_format("numpy", columns=["input_ids", "loss_mask", "target_argmax"])
         self.features = dataset.with_format("numpy", columns=["features"], dtype=np.uint16)
         self.indices = list(range(len(dataset))) if indices is None else list(indices)
+        self.blocks, self.hidden_size = (list(blocks), hidden_size) if blocks is not None else (None, None)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -238,8 +246,14 @@ class FeatureDataset(torch.utils.data.Dataset):
             "input_ids": torch.as_tensor(ids["input_ids"], dtype=torch.long),
             "loss_mask": torch.as_tensor(ids["loss_mask"], dtype=torch.long),
             "target_argmax": torch.as_tensor(ids["target_argmax"], dtype=torch.long),
-            "features": from_bf16_bits(self.features[row]["features"]),
+            "features": from_bf16_bits(self._select(self.features[row]["features"])),
         }
+
+    def _select(self, bits: np.ndarray) -> np.ndarray:
+        """`[L, nH]` -> `[L, len(blocks) * H]` (unchanged without `blocks`)."""
+        if self.blocks is None:
+            return bits
+        return bits.reshape(bits.shape[0], -1, self.hidden_size)[:, self.blocks].reshape(bits.shape[0], -1)
 
     def token_examples(self):
         """Iterate `{"input_ids", "loss_mask"}` lists without reading features (for token counts)."""

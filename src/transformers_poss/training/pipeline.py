@@ -43,14 +43,18 @@ def prepare_datasets(args: TrainingArguments, tokenizer=None) -> tuple[object, o
             train_idx, val_idx = list(range(n)), list(range(n_train_rows, len(dataset)))
         else:
             train_idx, val_idx = split_indices(n, args.val_fraction, args.val_max_examples, args.seed)
-        train, val = FeatureDataset(dataset, train_idx), FeatureDataset(dataset, val_idx)
+        stored, wanted = manifest_feature_layers(manifests[0]), args.feature_layer_list()
+        layers = stored if wanted is None else wanted
+        if any(i not in stored for i in layers):
+            raise ValueError(f"--feature-layers {wanted} are not all in the feature folders, which hold the target "
+                             f"layers {stored}: extract features with `poss features --feature-layers ...` to match")
+        blocks = None if layers == stored else [stored.index(i) for i in layers]
+        hidden = manifests[0]["hidden_size"]
+        train = FeatureDataset(dataset, train_idx, blocks=blocks, hidden_size=hidden)
+        val = FeatureDataset(dataset, val_idx, blocks=blocks, hidden_size=hidden)
         parts = [{"source": m.get("metadata", {}).get("data", folder), "features": folder, "tokens": m.get("tokens"),
                   **{k: v for k, v in m.get("metadata", {}).items() if k != "data"}}
                  for folder, m in zip(folders, manifests)]
-        layers, wanted = manifest_feature_layers(manifests[0]), args.feature_layer_list()
-        if wanted is not None and wanted != layers:
-            raise ValueError(f"--feature-layers {wanted} differ from the target layers the feature folders hold "
-                             f"({layers}): extract features with `poss features --feature-layers ...` to match")
         args.feature_layers = ",".join(str(i) for i in layers)
         record = {"examples": n, "train_examples": len(train_idx), "val_examples": len(val_idx),
                   "feature_layers": layers}
