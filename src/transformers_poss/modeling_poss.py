@@ -266,8 +266,7 @@ class PosSDrafter(PosSPreTrainedModel):
     def target_features(self, hidden_states: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """What the drafter reads from a target forward run with `output_hidden_states=config.input_feature_layers`:
         the selected hidden states `[B, S, H]` each, concatenated to `[B, S, nH]` (`n = len(feature_layers)`)."""
-        layers = self.config.input_feature_layers
-        return hidden_states[-1] if len(layers) == 1 else torch.cat([hidden_states[i] for i in layers], dim=-1)
+        return select_hidden_states(hidden_states, self.config.input_feature_layers)
 
     def fuse_features(self, target_features: torch.Tensor) -> torch.Tensor:
         """Target features `[..., nH]` (see `target_features`) -> feature-space inputs `[..., H]`.
@@ -374,6 +373,12 @@ class PosSDrafter(PosSPreTrainedModel):
         return PosSDrafterOutput(
             features=predicted, logits=self.logits(predicted) if return_logits else None, cache=cache
         )
+
+
+def select_hidden_states(hidden_states: tuple[torch.Tensor | None, ...], layers: list[int]) -> torch.Tensor:
+    """The `layers` of a target forward's `hidden_states` (run with `output_hidden_states=layers`, the final one
+    last), `[B, S, H]` each, concatenated to `[B, S, len(layers) * H]`."""
+    return hidden_states[-1] if len(layers) == 1 else torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 def cache_length(cache: DynamicCache | None, layer: int) -> int:

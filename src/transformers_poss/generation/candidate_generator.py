@@ -17,8 +17,8 @@ class PosSCandidateGenerator(CandidateGenerator):
 
     It reads the target hidden states the drafter needs from the previous verification forward
     (`model_kwargs_overrides = {"output_hidden_states": drafter.config.input_feature_layers}`), feeds the accepted
-    positions to the drafter, and
-    returns the candidates with the processed drafter logits they were chosen from (`q` for speculative sampling).
+    positions to the drafter, and returns the candidates with the processed drafter logits they were chosen from
+    (`q` for speculative sampling).
     """
 
     requires_model_outputs = True

@@ -85,7 +85,6 @@ def tree_assisted_decoding(
             **_logits_to_keep(model, keep_rows),
         )
         hidden = out.hidden_states[-1][0]  # [n, H] final hidden states (logits)
-        features = drafter.target_features(out.hidden_states)[0]  # [n, nH] what the drafter reads
         logits = TreeLogits(model, hidden, out.logits[0], tree, input_ids, logits_processor)
         path, next_token = (_accept_sampling if do_sample else _accept_greedy)(logits, tree)
         verified = time.perf_counter()
@@ -106,6 +105,7 @@ def tree_assisted_decoding(
             path_index = torch.tensor(path, device=device)
             compact_cache(cache, torch.cat((torch.arange(past, device=device), past + path_index)))
             session.end_round()
+            features = drafter.target_features(out.hidden_states)[0]  # [n, nH] what the drafter reads
             session.commit(features[path_index.to(features.device)], input_ids[0, -len(path):])
         stats.record_round(len(path) - 1, len(tree), drafted - start, verified - drafted,
                            time.perf_counter() - verified)

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..modeling_poss import select_hidden_states
+
 MANIFEST = "features.json"
 
 
@@ -43,7 +45,7 @@ def target_features(target, input_ids: torch.LongTensor, attention_mask: torch.T
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=layers, logits_to_keep=1,
                  use_cache=False)
     final = out.hidden_states[-1]
-    features = final if len(layers) == 1 else torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+    features = select_hidden_states(out.hidden_states, layers)
     lm_head = target.get_output_embeddings()
     flat = final.reshape(-1, final.shape[-1])
     argmax = torch.cat([lm_head(part.to(lm_head.weight.dtype)).argmax(-1) for part in flat.split(argmax_chunk)])
@@ -56,8 +58,14 @@ def parse_feature_layers(text: str) -> list[int]:
         layers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ValueError(f"--feature-layers takes comma separated integers, got {text!r}") from None
+    return check_feature_layers(layers, "--feature-layers")
+
+
+def check_feature_layers(layers: Sequence[int], name: str = "feature_layers") -> list[int]:
+    """`layers` as a list; `ValueError` unless it ends with -1 (the final hidden state, which drafters predict)."""
+    layers = list(layers)
     if not layers or layers[-1] != -1:
-        raise ValueError(f"--feature-layers must end with -1 (the target's final hidden state), got {layers}")
+        raise ValueError(f"{name} must end with -1 (the target's final hidden state), got {layers}")
     return layers
 
 
@@ -100,9 +108,7 @@ def extract_features(
     if batch_size < 1 or shard_size < 1:
         raise ValueError("batch_size and shard_size must be >= 1")
     hidden = target.config.get_text_config().hidden_size
-    feature_layers = list(feature_layers)
-    if not feature_layers or feature_layers[-1] != -1:
-        raise ValueError(f"feature_layers must end with -1 (the final hidden state), got {feature_layers}")
+    feature_layers = check_feature_layers(feature_layers)
     manifest = {
         "format": "transformers_poss.features/1", "target": getattr(target.config, "_name_or_path", None),
         "hidden_size": hidden, "feature_layers": feature_layers, "feature_dtype": "bfloat16 (uint16 bits)",
