@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicCache
 from tiny_models import prompts, tiny_target
 from transformers_poss import PosSConfig, PosSDrafter
 from transformers_poss.generation import hook
-from transformers_poss.generation.drafting import DraftSession, draft_tree
+from transformers_poss.generation.drafting import DraftSession, draft_chain, draft_tree
 from transformers_poss.generation.tree_decoding import tree_attention_mask
 
 
@@ -145,6 +145,39 @@ def test_unsupported_transformers_version_fails_at_import_check(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "4.57.0")
     with pytest.raises(ImportError, match="supports transformers >=5.24"):
         hook.check_transformers_version()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_tree_candidates_score_what_their_path_scores_as_a_chain(family):
+    """Every scored tree candidate's cumulative log-probability equals the sum over its root path drafted as a chain:
+    the tree feeds each node its parent's predicted feature, position and ancestors as a one-path draft does."""
+    target = tiny_target(family)
+    torch.manual_seed(0)
+    drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=1).eval()
+    prompt = prompts(target.config.vocab_size, 1)[0]
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=-1)
+    root = out.logits[0, -1].argmax()
+    session = DraftSession(drafter)
+    session.commit(out.hidden_states[-1][0], torch.cat((prompt[0, 1:], root.reshape(1))))
+    candidates = draft_tree(session, root, depth=3, top_k=3, total_tokens=40).candidates
+    session.end_round()
+    parents = candidates.parents.tolist()
+    assert len(parents) == 3 + 9 + 9 and candidates.depths.max() == 3
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        forced = [candidates.tokens[i] for i in path]
+        total = []
+
+        def pick(level, logits):
+            total.append(torch.log_softmax(logits, dim=-1)[forced[level - 1]])
+            return forced[level - 1], logits
+
+        draft_chain(session, len(path), pick)
+        session.end_round()
+        torch.testing.assert_close(sum(total), candidates.scores[node], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("gemma3", "eager"),
