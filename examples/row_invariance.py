@@ -7,12 +7,13 @@ Verification computes `n` tree tokens in one forward, plain decoding one token p
 row different bits depending on how many rows it runs with, the two part at near-ties of the argmax (the output stays
 the target's up to that rounding; token identity needs every kernel below to print 0). For each distinct linear
 shape of the target and for its attention, prints how many output elements of an `n`-row call differ from `n`
-one-row calls, with the largest difference relative to the output's scale, then the same for whole forwards (logits of `n` new
-tokens in one forward against `n` one-token forwards on the same cache). In fp32 most elements differ in their last
-bits, far below argmax gaps; in bf16 few differ, but by a bf16 rounding step.
+one-row calls, with the largest difference relative to the output's scale, then the same for whole forwards (logits
+of `n` new tokens in one forward against `n` one-token forwards on the same cache). In fp32 most elements differ in
+their last bits, far below argmax gaps; in bf16 few differ, but by a bf16 rounding step.
 """
 
 import argparse
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -21,41 +22,44 @@ from transformers import DynamicCache
 from transformers_poss.assets import DTYPES, load_default_target, resolve_dtype
 
 
-def _compare(batched: torch.Tensor, one_by_one: torch.Tensor) -> tuple[int, int, float]:
-    """(differing elements, elements, largest difference relative to the largest magnitude)."""
-    gap = (batched.float() - one_by_one.float()).abs().max() / one_by_one.float().abs().max()
-    return int((batched != one_by_one).sum()), batched.numel(), float(gap)
-
-
-def _add(a: tuple, b: tuple) -> tuple[int, int, float]:
-    return a[0] + b[0], a[1] + b[1], max(a[2], b[2])
+def _mismatches(trials: int, run) -> tuple[int, int, float]:
+    """(differing elements, elements, largest difference relative to the largest magnitude) over `trials` calls of
+    `run() -> (batched output, the same from one-row calls)`."""
+    differing = total = 0
+    largest = 0.0
+    for _ in range(trials):
+        batched, one_by_one = run()
+        differing += int((batched != one_by_one).sum())
+        total += batched.numel()
+        gap = (batched.float() - one_by_one.float()).abs().max() / one_by_one.float().abs().max()
+        largest = max(largest, float(gap))
+    return differing, total, largest
 
 
 def linear_mismatches(weight: torch.Tensor, rows: int, trials: int) -> tuple[int, int, float]:
-    """`_compare` of `F.linear` on `[rows, in]` against `rows` calls on `[1, in]`, over `trials` random inputs."""
-    result = (0, 0, 0.0)
-    for _ in range(trials):
+    """`_mismatches` of `F.linear` on random `[rows, in]` against `rows` calls on `[1, in]`."""
+    def run():
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        batched = F.linear(x, weight)
-        one_by_one = torch.cat([F.linear(x[i : i + 1], weight) for i in range(rows)])
-        result = _add(result, _compare(batched, one_by_one))
-    return result
+        return F.linear(x, weight), torch.cat([F.linear(x[i : i + 1], weight) for i in range(rows)])
+
+    return _mismatches(trials, run)
 
 
 def attention_mismatches(config, context: int, rows: int, trials: int, dtype, device) -> tuple[int, int, float]:
     """The same for causal attention of `rows` new queries over `context` cached keys (GQA heads expanded)."""
-    heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    result = (0, 0, 0.0)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     allowed = torch.ones(rows, context + rows, dtype=torch.bool, device=device)
     allowed[:, context:] = torch.tril(allowed[:, context:])
-    for _ in range(trials):
+
+    def run():
         q = torch.randn(1, heads, rows, head_dim, dtype=dtype, device=device)
         k, v = (torch.randn(1, heads, context + rows, head_dim, dtype=dtype, device=device) for _ in range(2))
-        batched = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        one_by_one = torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : context + i + 1],
-                                                               v[:, :, : context + i + 1]) for i in range(rows)], dim=2)
-        result = _add(result, _compare(batched, one_by_one))
-    return result
+        one_by_one = [F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : context + i + 1],
+                                                     v[:, :, : context + i + 1]) for i in range(rows)]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), torch.cat(one_by_one, dim=2)
+
+    return _mismatches(trials, run)
 
 
 @torch.no_grad()
@@ -67,13 +71,12 @@ def forward_mismatches(target, context: int, rows: int, trials: int) -> tuple[in
     for _ in range(trials):
         prompt = torch.randint(0, vocab, (1, context), device=target.device)
         new = torch.randint(0, vocab, (1, rows), device=target.device)
-        caches = []
-        for _ in range(2):
-            caches.append(DynamicCache(config=target.config))
-            target(prompt, cache=caches[-1], use_cache=True, logits_to_keep=1)
+        cache = DynamicCache(config=target.config)
+        target(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        step_cache = copy.deepcopy(cache)
         positions = torch.arange(context, context + rows, device=target.device)[None]
-        batched = target(new, cache=caches[0], use_cache=True, position_ids=positions).logits[0].float()
-        one_by_one = torch.cat([target(new[:, i : i + 1], cache=caches[1], use_cache=True,
+        batched = target(new, cache=cache, use_cache=True, position_ids=positions).logits[0].float()
+        one_by_one = torch.cat([target(new[:, i : i + 1], cache=step_cache, use_cache=True,
                                        position_ids=positions[:, i : i + 1]).logits[0].float() for i in range(rows)])
         differing += int((batched != one_by_one).any(dim=-1).sum())
         total += rows
@@ -95,11 +98,13 @@ def main():
     for name, module in target.named_modules():
         if isinstance(module, torch.nn.Linear):
             weights.setdefault(tuple(module.weight.shape), (name.split(".")[-1], module.weight.detach()))
-    print("| operation | shape | differing / elements | per million | largest difference (relative) |\n|---|---|---|---|---|")
+    print("| operation | shape | differing / elements | per million | largest difference (relative) |\n"
+          "|---|---|---|---|---|")
     rows = []
     for (out_features, in_features), (name, weight) in weights.items():
         trials = max(1, args.trials // 10) if out_features > 8 * in_features else args.trials  # the lm_head is big
-        rows.append((f"linear ({name})", f"{in_features} -> {out_features}", *linear_mismatches(weight, args.rows, trials)))
+        rows.append((f"linear ({name})", f"{in_features} -> {out_features}",
+                     *linear_mismatches(weight, args.rows, trials)))
     rows.append(("attention", f"{args.rows} queries, {args.context} cached keys",
                  *attention_mismatches(config, args.context, args.rows, args.trials, target.dtype, target.device)))
     for operation, shape, differing, total, gap in rows:
