@@ -561,6 +561,15 @@ def test_self_distillation_regenerates_and_resumes(tmp_path):
     assert first[4]["value"] == tokenizer.decode(alone, skip_special_tokens=True).strip()
     again = self_distill(target, tokenizer, records, str(out), batch_size=2, max_new_tokens=3, progress=False)
     assert again["skipped_done"] == 2 and again["written"] == 0 and again["skipped_invalid"] == 1
+    # max_turns=1: the first exchange only, answered exactly as in the full run; later turns are dropped.
+    short = tmp_path / "first_turns.jsonl"
+    self_distill(target, tokenizer, records[:2], str(short), batch_size=2, max_new_tokens=3, progress=False,
+                 max_turns=1)
+    kept = [json.loads(line)["conversations"] for line in open(short)]
+    assert [t["from"] for t in kept[0]] == ["system", "human", "gpt"] and kept[0] == first[:3]
+    assert kept[1] == lines[1]["conversations"]
+    with pytest.raises(ValueError, match="max_turns"):
+        self_distill(target, tokenizer, records, str(short), max_turns=0, progress=False)
 
 
 def test_cli_arguments():

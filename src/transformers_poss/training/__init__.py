@@ -19,7 +19,8 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples)::
     # 1. (optional) self-distillation: the target answers the prompts itself; rerun the same command to resume
     poss distill --target models/smollm2 --data $DATA --output data/sharegpt_smollm2.jsonl \
         --batch-size 32 --max-new-tokens 512
-    # then use --data data/sharegpt_smollm2.jsonl below
+    # then use --data data/sharegpt_smollm2.jsonl below; with a short training --max-length add --max-turns 1:
+    # later turns would be truncated away, and each one re-reads the whole conversation so far
 
     # 2. target features, once (about 2 * hidden_size bytes per token; rerun to resume after a stop)
     poss features --target models/smollm2 --data $DATA --output features/sharegpt_smollm2 --max-length 2048

@@ -98,7 +98,8 @@ def run_distill(namespace: argparse.Namespace) -> int:
     target, tokenizer, records = _target_tokenizer_records(namespace)
     stats = self_distill(target, tokenizer, records, namespace.output, batch_size=namespace.batch_size,
                          max_new_tokens=namespace.max_new_tokens, max_prompt_length=namespace.max_prompt_length,
-                         do_sample=namespace.temperature > 0, temperature=namespace.temperature or 1.0)
+                         do_sample=namespace.temperature > 0, temperature=namespace.temperature or 1.0,
+                         max_turns=namespace.max_turns)
     print(json.dumps(stats, indent=2))
     return 0
 
@@ -174,6 +175,9 @@ def add_subcommand(subparsers) -> None:
     distill.add_argument("--max-new-tokens", type=int, default=512)
     distill.add_argument("--max-prompt-length", type=int, default=2048)
     distill.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    distill.add_argument("--max-turns", type=int, default=None,
+                         help="regenerate only the first N assistant turns of each conversation and drop the rest "
+                              "(turns past the training --max-length are wasted work; default: all)")
     distill.set_defaults(func=run_distill)
 
     plot = subparsers.add_parser(

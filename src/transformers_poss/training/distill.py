@@ -41,14 +41,17 @@ def done_ids(path: str) -> set[str]:
 def self_distill(
     target, tokenizer, records: Sequence[dict], output_path: str, batch_size: int = 16, max_new_tokens: int = 512,
     max_prompt_length: int = 2048, do_sample: bool = False, temperature: float = 1.0, progress: bool = True,
+    max_turns: int | None = None,
 ) -> dict:
     """Regenerate assistant turns with `target` and append the conversations to `output_path` (resumable).
 
-    A conversation whose prompt grows past `max_prompt_length` tokens keeps the turns generated before that point.
+    A conversation whose prompt grows past `max_prompt_length` tokens keeps the turns generated before that point;
+    `max_turns` keeps only the first that many exchanges (later turns would lie past a short training
+    `--max-length` anyway, and each costs a prefill of the whole conversation so far).
     Returns counts: `written`, `skipped_done`, `skipped_invalid`, `generated_tokens`.
     """
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("batch_size and max_new_tokens must be >= 1")
+    if batch_size < 1 or max_new_tokens < 1 or (max_turns is not None and max_turns < 1):
+        raise ValueError("batch_size, max_new_tokens and max_turns must be >= 1")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
     finished = done_ids(output_path)
@@ -83,7 +86,7 @@ def self_distill(
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start: start + batch_size]
                 results = _regenerate_chunk(target, tokenizer, [m for _, m in chunk], device, max_new_tokens,
-                                            max_prompt_length, do_sample, temperature, stats)
+                                            max_prompt_length, do_sample, temperature, stats, max_turns)
                 for (rid, _), messages in zip(chunk, results):
                     turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
                     out.write(json.dumps({"id": rid, "conversations": turns}, ensure_ascii=False) + "\n")
@@ -99,7 +102,7 @@ def self_distill(
 
 
 def _regenerate_chunk(target, tokenizer, conversations, device, max_new_tokens, max_prompt_length, do_sample,
-                      temperature, stats) -> list[list[dict]]:
+                      temperature, stats, max_turns=None) -> list[list[dict]]:
     """Regenerate every assistant turn of a few conversations, turn index by turn index, in batches."""
     # Work list per conversation: its messages up to now (assistant turns regenerated), the original remainder.
     done = [[] for _ in conversations]
@@ -132,6 +135,8 @@ def _regenerate_chunk(target, tokenizer, conversations, device, max_new_tokens, 
             text = tokenizer.decode(new_tokens[row], skip_special_tokens=True).strip()
             stats["generated_tokens"] += int((new_tokens[row] != tokenizer.pad_token_id).sum())
             done[i].append({"role": "assistant", "content": text})
+            if max_turns is not None and sum(m["role"] == "assistant" for m in done[i]) >= max_turns:
+                rest[i] = []
         active = [i for i in owners if rest[i]]
     return [d[: _last_assistant(d) + 1] for d in done]
 
