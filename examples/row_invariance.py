@@ -2,6 +2,7 @@
 
     python examples/row_invariance.py                        # the default target, bfloat16, 300-token context
     python examples/row_invariance.py --dtype float32 --rows 8
+    python examples/row_invariance.py --device cuda --config FOLDER   # random weights of FOLDER's architecture
 
 Verification computes `n` tree tokens in one forward, plain decoding one token per forward. Where a kernel gives a
 row different bits depending on how many rows it runs with, the two part at near-ties of the argmax (the output stays
@@ -17,9 +18,8 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from measured_target import add_target_arguments, describe, load_measured_target
 from transformers import DynamicCache
-
-from transformers_poss.assets import DTYPES, load_default_target, resolve_dtype
 
 
 def _mismatches(trials: int, run) -> tuple[int, int, float]:
@@ -86,13 +86,13 @@ def forward_mismatches(target, context: int, rows: int, trials: int) -> tuple[in
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
+    add_target_arguments(parser, default_dtype="bfloat16")
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--rows", type=int, default=8, help="rows of the batched call (tree tokens)")
     parser.add_argument("--trials", type=int, default=20)
     args = parser.parse_args()
+    target = load_measured_target(args)
     torch.manual_seed(0)
-    target, _ = load_default_target(dtype=resolve_dtype(args.dtype))
     config = target.config.get_text_config()
     weights = {}
     for name, module in target.named_modules():
@@ -110,7 +110,7 @@ def main():
     for operation, shape, differing, total, gap in rows:
         print(f"| {operation} | {shape} | {differing} / {total} | {1e6 * differing / total:.1f} | {gap:.1e} |")
     differing, total, largest = forward_mismatches(target, args.context, args.rows, max(1, args.trials // 4))
-    print(f"\nwhole forwards ({target.dtype}, {torch.get_num_threads()} threads): the logits of {differing} of {total} "
+    print(f"\nwhole forwards ({target.dtype}, {describe(target)}): the logits of {differing} of {total} "
           f"tokens differ from one-token forwards, by at most {largest:.2g}; greedy outputs can part where the top two "
           "logits are closer than that")
 

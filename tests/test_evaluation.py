@@ -12,6 +12,7 @@ import zipfile
 
 import pytest
 import torch
+from tiny_models import DEVICE
 from tiny_tokenizer import char_tokenizer
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -188,7 +189,7 @@ def test_chat_prompt_puts_the_first_answer_before_the_second_turn(tokenizer):
 # ---- losslessness checks -------------------------------------------------------------------------------------------
 def test_losslessness_checks_flag_a_perturbed_output(fitted_pairs):
     target, _ = fitted_pairs("llama")
-    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     with torch.no_grad():
         good = target.generate(prompt, max_new_tokens=10, do_sample=False)[0]
     bad = good.clone()

@@ -214,10 +214,14 @@ def _drafter_with_own_head(target):
 
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("gemma3", {"final_logit_softcapping": 2.0})])
-def test_verification_projects_only_the_rows_acceptance_visits(family, overrides):
+def test_verification_projects_only_the_rows_acceptance_visits(monkeypatch, family, overrides):
     """In fp32 on a CPU tree mode projects `lm_head` rows for the accepted path and the next token only, not for
-    every tree node (Gemma's final soft-capping applied to them as the model would)."""
+    every tree node (Gemma's final soft-capping applied to them as the model would); the rule is forced, so the
+    path is checked on any device."""
+    from transformers_poss.generation import tree_decoding
+
     target = tiny_target(family, **overrides)
+    monkeypatch.setattr(tree_decoding, "keeps_every_tree_row", lambda model: False)  # the CPU fp32 rule, anywhere
     for rows, stats in _lm_head_rows_per_run(target, _drafter_with_own_head(target)):
         # The prefill keeps one row; each round projects one row per accepted draft plus the target's next token.
         assert sum(rows) == 1 + sum(a + 1 for a in stats.acceptance_lengths)
@@ -231,7 +235,8 @@ def test_verification_projecting_every_tree_row_in_one_pass(monkeypatch, family,
     from transformers_poss.generation import tree_decoding
 
     target = tiny_target(family, **overrides)
-    assert not tree_decoding.keeps_every_tree_row(target)  # fp32 on CPU: rows are projected as visited
+    # fp32 on a CPU: rows are projected as visited; on an accelerator every row is kept.
+    assert tree_decoding.keeps_every_tree_row(target) == (target.device.type != "cpu")
     assert tree_decoding.keeps_every_tree_row(copy.deepcopy(target).to(torch.bfloat16))
     monkeypatch.setattr(tree_decoding, "keeps_every_tree_row", lambda model: True)
     for rows, stats in _lm_head_rows_per_run(target, _drafter_with_own_head(target)):

@@ -148,7 +148,7 @@ def test_save_pretrained_writes_card_once_and_never_overwrites(target, tmp_path)
     assert (tmp_path / "README.md").read_text() == "my own notes\n"
     loaded = PosSDrafter.from_pretrained(tmp_path)
     for key, value in drafter.state_dict().items():
-        assert torch.equal(value, loaded.state_dict()[key]), key
+        assert torch.equal(value.cpu(), loaded.state_dict()[key].cpu()), key
 
 
 def test_card_cli_writes_refuses_and_prints(target, tmp_path, capsys):
@@ -206,7 +206,7 @@ def test_push_uploads_weights_config_and_card(target, tmp_path):
     assert json.loads(files["config.json"])["model_type"] == "poss"
     weights_file = tmp_path / "w.safetensors"
     weights_file.write_bytes(files["model.safetensors"])
-    assert torch.equal(load_file(str(weights_file))["fc.weight"], drafter.fc.weight.detach())
+    assert torch.equal(load_file(str(weights_file))["fc.weight"], drafter.fc.weight.detach().cpu())
 
 
 def test_drafter_push_to_hub_uploads_our_card(target, tmp_path):
@@ -292,7 +292,8 @@ def write_research_checkpoint(folder, target, layers=1, bias=True, fmt="safetens
 def research_forward(state, config, layer, input_ids, features):
     """The research layout's forward, by hand from the raw tensors: embedding lookup, concat (embedding first), fc,
     then Llama layer `layer` without an input norm (RoPE, GQA causal attention, post-attention RMSNorm, SwiGLU)."""
-    f32 = {k: v.float() for k, v in state.items()}
+    device = features.device
+    f32 = {k: v.to(device, torch.float32) for k, v in state.items()}
     heads, kv, hidden = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
     hd = hidden // heads
     x = torch.cat((f32["embed_tokens.weight"][input_ids], features), dim=-1) @ f32["fc.weight"].T
@@ -303,8 +304,8 @@ def research_forward(state, config, layer, input_ids, features):
     q = (x @ f32[p + "self_attn.q_proj.weight"].T).view(batch, seq, heads, hd).transpose(1, 2)
     k = (x @ f32[p + "self_attn.k_proj.weight"].T).view(batch, seq, kv, hd).transpose(1, 2)
     v = (x @ f32[p + "self_attn.v_proj.weight"].T).view(batch, seq, kv, hd).transpose(1, 2)
-    inv_freq = 1.0 / (config["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
-    angles = torch.outer(torch.arange(seq).float(), inv_freq)
+    inv_freq = 1.0 / (config["rope_theta"] ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
 
     def rotate_half(t):
@@ -313,7 +314,7 @@ def research_forward(state, config, layer, input_ids, features):
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
-    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1), float("-inf"))
     attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, hidden)
     h = x + attended @ f32[p + "self_attn.o_proj.weight"].T
     normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"])

@@ -8,7 +8,7 @@ import transformers
 from transformers import AutoConfig, AutoModel
 from transformers.cache_utils import DynamicCache
 
-from tiny_models import prompts, tiny_target
+from tiny_models import DEVICE, prompts, tiny_target
 from transformers_poss import PosSConfig, PosSDrafter
 from transformers_poss.generation import hook
 from transformers_poss.generation.drafting import DraftSession, draft_chain, draft_tree
@@ -55,11 +55,11 @@ def test_save_load_round_trip_and_auto_model(tmp_path, family):
         strip = lambda config: {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}  # noqa: E731
         assert strip(loaded.config) == strip(drafter.config)
         for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
-            assert torch.equal(a, b), name
+            assert torch.equal(a.cpu(), b.cpu()), name
     assert isinstance(AutoConfig.from_pretrained(tmp_path), PosSConfig)
     # The reloaded drafter predicts exactly what the original does once bound.
     loaded = PosSDrafter.from_pretrained(tmp_path).bind_target(target)
-    ids, feats = torch.randint(0, 96, (1, 6)), torch.randn(1, 6, 64)
+    ids, feats = torch.randint(0, 96, (1, 6), device=DEVICE), torch.randn(1, 6, 64, device=DEVICE)
     for specialist in range(3):
         torch.testing.assert_close(loaded(ids, feats, specialist=specialist).features,
                                    drafter(ids, feats, specialist=specialist).features, rtol=0, atol=0)
@@ -88,7 +88,7 @@ def test_mismatched_drafter_fails_before_any_work(other, match):
     target = tiny_target("llama", **other) if "vocab_size" not in other else tiny_target("llama", vocab_size=50)
     counter = _ForwardCounter(target)
     with pytest.raises(ValueError, match=match):
-        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, assistant_model=drafter)
+        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=5, assistant_model=drafter)
     assert counter.calls == 0
 
 
@@ -96,7 +96,7 @@ def test_drafter_for_another_family_fails():
     drafter = PosSDrafter.from_target(tiny_target("llama"))
     target = tiny_target("qwen2")
     with pytest.raises(ValueError, match="'llama'.*'qwen2'"):
-        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, assistant_model=drafter)
+        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=5, assistant_model=drafter)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_unsupported_generate_options_fail_before_any_work(kwargs, match):
     drafter = PosSDrafter.from_target(target)
     counter = _ForwardCounter(target)
     with pytest.raises(ValueError, match=match):
-        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, assistant_model=drafter, **kwargs)
+        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=5, assistant_model=drafter, **kwargs)
     assert counter.calls == 0
 
 
@@ -119,9 +119,9 @@ def test_batch_and_padding_fail_before_any_work():
     drafter = PosSDrafter.from_target(target)
     counter = _ForwardCounter(target)
     with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=5, assistant_model=drafter)
+        target.generate(torch.tensor([[1, 2, 3], [4, 5, 6]], device=DEVICE), max_new_tokens=5, assistant_model=drafter)
     with pytest.raises(ValueError, match="padded"):
-        target.generate(torch.tensor([[0, 2, 3]]), attention_mask=torch.tensor([[0, 1, 1]]), max_new_tokens=5,
+        target.generate(torch.tensor([[0, 2, 3]], device=DEVICE), attention_mask=torch.tensor([[0, 1, 1]], device=DEVICE), max_new_tokens=5,
                         assistant_model=drafter)
     assert counter.calls == 0
 
@@ -131,14 +131,14 @@ def test_unknown_draft_mode_set_after_loading_fails():
     drafter = PosSDrafter.from_target(target)
     drafter.config.draft_mode = "beam"
     with pytest.raises(ValueError, match="draft_mode"):
-        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, assistant_model=drafter)
+        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=5, assistant_model=drafter)
 
 
 def test_sliding_window_target_beyond_window_is_refused():
     target = tiny_target("gemma3")
     drafter = PosSDrafter.from_target(target)
     with pytest.raises(ValueError, match="sliding-window"):
-        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=300, assistant_model=drafter)
+        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=300, assistant_model=drafter)
 
 
 def test_unsupported_transformers_version_fails_at_import_check(monkeypatch):
@@ -200,14 +200,14 @@ def test_tree_mask_matches_running_each_path(fitted_pairs, family, attn):
         with torch.no_grad():
             target(sequence[:, :-1], cache=cache, use_cache=True)
             tree_logits = target(tree.tokens[None], position_ids=(past + tree.depths)[None], cache=cache,
-                                 attention_mask=tree_attention_mask(target, tree, past, "cpu"), use_cache=True).logits[0]
+                                 attention_mask=tree_attention_mask(target, tree, past, DEVICE), use_cache=True).logits[0]
         parents = tree.parents.tolist()
         for node in range(len(tree)):
             path, cursor = [], node
             while cursor > 0:
                 path.append(int(tree.tokens[cursor]))
                 cursor = parents[cursor]
-            plain = torch.cat((sequence, torch.tensor([path[::-1]], dtype=torch.long).reshape(1, -1)), dim=1)
+            plain = torch.cat((sequence, torch.tensor([path[::-1]], dtype=torch.long, device=DEVICE).reshape(1, -1)), dim=1)
             with torch.no_grad():
                 expected = target(plain).logits[0, -1]
             torch.testing.assert_close(tree_logits[node], expected, atol=1e-4, rtol=1e-4)  # fp32 tolerance

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tiny_models import fitted_drafter, tiny_target
+from tiny_models import DEVICE, fitted_drafter, tiny_target
 from transformers_poss.generation import tree_decoding
 from transformers_poss.generation.drafting import DraftTree
 
@@ -22,9 +22,9 @@ def _exact_marginals(target, prompt, temperature):
     marginals = torch.zeros(NEW_TOKENS, VOCAB, dtype=torch.float64)
     for prefix_len in range(NEW_TOKENS):
         for prefix in itertools.product(range(VOCAB), repeat=prefix_len):
-            ids = torch.cat((prompt, torch.tensor([prefix], dtype=torch.long).reshape(1, -1)), dim=1)
+            ids = torch.cat((prompt, torch.tensor([prefix], dtype=torch.long, device=prompt.device).reshape(1, -1)), dim=1)
             with torch.no_grad():
-                logits = target(ids).logits[0].double() / temperature
+                logits = target(ids).logits[0].double().cpu() / temperature
             prob_prefix = 1.0
             for i, token in enumerate(prefix):
                 prob_prefix *= torch.softmax(logits[prompt.shape[1] - 1 + i], -1)[token].item()
@@ -50,7 +50,7 @@ def _p_values(samples, marginals):
 def setup():
     target = tiny_target("llama", vocab_size=VOCAB, seed=5)
     drafter = fitted_drafter(target, tree_depth=3, tree_top_k=3, tree_total_tokens=10, steps=200)
-    prompt = torch.tensor([[1, 4, 2, 7, 3]])
+    prompt = torch.tensor([[1, 4, 2, 7, 3]], device=DEVICE)
     return target, drafter, prompt
 
 

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tiny_models import tiny_target
+from tiny_models import DEVICE, tiny_target
 from transformers_poss import PosSDrafter
 from transformers_poss.generation.drafting import DraftSession, draft_chain
 from transformers_poss.training import (
@@ -168,7 +168,7 @@ def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, fea
     if drafter.fuse is not None:
         torch.nn.init.normal_(drafter.fuse.weight, std=0.1)
     depth = 5
-    ids = torch.randint(0, 96, (1, 18), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 96, (1, 18), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     with torch.no_grad():
         out = target(ids, output_hidden_states=drafter.config.input_feature_layers)
         features = drafter.target_features(out.hidden_states)
@@ -257,7 +257,7 @@ def test_fused_drafter_starts_where_its_last_layer_source_stands(tmp_path):
                                     feature_layers=[0, 1, -1]).eval()
     info = warm_start(fused, source)
     assert info["fuse_copied"] is False and info["source_feature_layers"] == [-1]
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with torch.no_grad():
         out = target(ids, output_hidden_states=[0, 1, -1])
         wide = fused.target_features(out.hidden_states)
@@ -273,7 +273,7 @@ def test_fused_drafter_starts_where_its_last_layer_source_stands(tmp_path):
     fused.save_pretrained(tmp_path / "fused")
     loaded = PosSDrafter.from_pretrained(tmp_path / "fused")
     assert loaded.config.feature_layers == [0, 1, -1]
-    assert torch.equal(loaded.fuse.weight, fused.fuse.weight)
+    assert torch.equal(loaded.fuse.weight, fused.fuse.weight.cpu())
     again = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=3, feature_layers=[0, 1, -1])
     assert warm_start(again, loaded)["fuse_copied"] is True and torch.equal(again.fuse.weight, fused.fuse.weight)
 
@@ -312,7 +312,7 @@ def greedy_examples(target, count: int, seed: int = 0) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
     examples = []
     for i in range(count):
-        prompt = torch.randint(0, 96, (1, 4 + i % 5), generator=generator)
+        prompt = torch.randint(0, 96, (1, 4 + i % 5), generator=generator).to(DEVICE)
         with torch.no_grad():
             sequence = target.generate(prompt, max_new_tokens=12 + 3 * (i % 3), do_sample=False)[0]
         mask = [0] * prompt.shape[1] + [1] * (sequence.shape[0] - prompt.shape[1])
@@ -429,15 +429,15 @@ def test_offline_features_round_trip_and_resume(tmp_path, fresh_accelerate):
     assert len(dataset) == 5
     for i in (0, 4):
         item = dataset[i]
-        ids = torch.tensor([examples[i]["input_ids"]])
+        ids = torch.tensor([examples[i]["input_ids"]], device=DEVICE)
         with torch.no_grad():
             out_t = target(ids, output_hidden_states=-1)
         assert item["input_ids"].tolist() == examples[i]["input_ids"]
         assert item["loss_mask"].tolist() == examples[i]["loss_mask"]
         assert item["features"].dtype == torch.bfloat16
-        reference = out_t.hidden_states[-1][0].to(torch.bfloat16).float()  # batched, padded run: bf16 rounding only
+        reference = out_t.hidden_states[-1][0].to(torch.bfloat16).float().cpu()  # batched, padded run: bf16 rounding only
         torch.testing.assert_close(item["features"].float(), reference, rtol=1e-2, atol=1e-2)
-        assert torch.equal(item["target_argmax"], out_t.logits[0].argmax(-1))
+        assert torch.equal(item["target_argmax"], out_t.logits[0].argmax(-1).cpu())
     # A rerun finds the shards done; other settings in the same folder are refused.
     (out / "shard-00001").rename(out / "moved")
     extract_features(target, examples, str(out), batch_size=2, shard_size=2, metadata={"data": "x"},
@@ -507,10 +507,10 @@ def test_features_of_several_target_layers_train_a_fused_drafter(tmp_path, fresh
     assert manifest["feature_layers"] == [1, -1]
     item = FeatureDataset(load_feature_dataset(str(wide)))[0]
     with torch.no_grad():
-        out = target(torch.tensor([examples[0]["input_ids"]]), output_hidden_states=True)
+        out = target(torch.tensor([examples[0]["input_ids"]], device=DEVICE), output_hidden_states=True)
     assert item["features"].shape == (len(examples[0]["input_ids"]), 128)
     for block, state in ((slice(0, 64), out.hidden_states[1]), (slice(64, 128), out.hidden_states[-1])):
-        torch.testing.assert_close(item["features"][:, block].float(), state[0].to(torch.bfloat16).float(),
+        torch.testing.assert_close(item["features"][:, block].float(), state[0].to(torch.bfloat16).float().cpu(),
                                    rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="other data"):
         extract_features(target, examples, str(wide), batch_size=2, metadata={"data": "x"}, progress=False)
@@ -524,7 +524,7 @@ def test_features_of_several_target_layers_train_a_fused_drafter(tmp_path, fresh
     before = drafter.fuse.weight.detach().clone()
     PosSTrainer(args, drafter, train, val).train()
     trained = PosSDrafter.from_pretrained(tmp_path / "run")
-    assert trained.config.feature_layers == [1, -1] and not torch.equal(trained.fuse.weight.float(), before)
+    assert trained.config.feature_layers == [1, -1] and not torch.equal(trained.fuse.weight.float(), before.cpu())
     args.feature_layers = "0,-1"
     with pytest.raises(ValueError, match="not all in the feature folders"):
         prepare_datasets(args)
@@ -556,7 +556,7 @@ def test_self_distillation_regenerates_and_resumes(tmp_path):
     roles = {"system": "system", "human": "user", "gpt": "assistant"}
     history = [{"role": roles[t["from"]], "content": t["value"]} for t in first[:4]]
     prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(DEVICE)
     alone = target.generate(ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:]
     assert first[4]["value"] == tokenizer.decode(alone, skip_special_tokens=True).strip()
     again = self_distill(target, tokenizer, records, str(out), batch_size=2, max_new_tokens=3, progress=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import (
     Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
@@ -12,6 +14,9 @@ from transformers_poss import PosSDrafter
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma3")
 
+# The device tiny targets and prompts live on: `POSS_TEST_DEVICE=cuda pytest tests` runs the suite's models on a GPU.
+DEVICE = torch.device(os.environ.get("POSS_TEST_DEVICE", "cpu"))
+
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
                pad_token_id=None)
@@ -19,7 +24,7 @@ _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num
 
 def tiny_target(family: str = "llama", vocab_size: int = 96, seed: int = 0, attn_implementation: str = "sdpa",
                 **overrides):
-    """A tiny random causal LM of `family`, fp32, eval mode."""
+    """A tiny random causal LM of `family`, fp32, eval mode, on `DEVICE`."""
     torch.manual_seed(seed)
     kwargs = {**_COMMON, "vocab_size": vocab_size, **overrides}
     if family == "llama":
@@ -35,7 +40,7 @@ def tiny_target(family: str = "llama", vocab_size: int = 96, seed: int = 0, attn
     else:
         raise ValueError(family)
     config._attn_implementation = attn_implementation
-    model = cls(config).eval()
+    model = cls(config).to(DEVICE).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model
@@ -44,7 +49,7 @@ def tiny_target(family: str = "llama", vocab_size: int = 96, seed: int = 0, attn
 def prompts(vocab_size: int = 96, count: int = 3, seed: int = 1) -> list[torch.LongTensor]:
     generator = torch.Generator().manual_seed(seed)
     lengths = [5, 9, 14, 7, 11][:count]
-    return [torch.randint(0, vocab_size, (1, n), generator=generator) for n in lengths]
+    return [torch.randint(0, vocab_size, (1, n), generator=generator).to(DEVICE) for n in lengths]
 
 
 def fitted_drafter(target, num_specialists: int = 2, positions_per_specialist: int = 2, steps: int = 500,
