@@ -246,6 +246,41 @@ def test_warm_start_copies_the_layer_into_every_specialist(tmp_path):
         warm_start(poss, other)
 
 
+def test_widened_specialists_start_where_their_source_stands(tmp_path):
+    """Specialists with a wider MLP, warm-started from a trained drafter, predict exactly what it predicts (the extra
+    units' output weights are zero) until training moves them; the width survives saving, generation through them
+    stays lossless, and a narrower drafter cannot be warm-started from a wider one."""
+    target = tiny_target("llama")  # intermediate_size 128
+    torch.manual_seed(1)
+    source = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2).eval()
+    wide = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2,
+                                   specialist_intermediate_size=200).eval()
+    assert wide.specialists[0].mlp.gate_proj.weight.shape == (200, 64)
+    assert warm_start(wide, source)["source_intermediate_size"] == 128
+    assert torch.equal(wide.specialists[1].mlp.up_proj.weight[:128], source.specialists[1].mlp.up_proj.weight)
+    assert wide.specialists[1].mlp.up_proj.weight[128:].abs().sum() > 0  # the new units have their own inputs
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with torch.no_grad():
+        features = target(ids, output_hidden_states=-1).hidden_states[-1]
+        for got, want in zip(unrolled_forward(wide, ids, features, 4), unrolled_forward(source, ids, features, 4)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.nn.init.normal_(wide.specialists[0].mlp.down_proj.weight, std=0.1)  # "trained"
+        moved = unrolled_forward(wide, ids, features, 4)[0]
+        assert (moved - unrolled_forward(source, ids, features, 4)[0]).abs().max() > 1e-3
+    wide.save_pretrained(tmp_path / "wide")
+    loaded = PosSDrafter.from_pretrained(tmp_path / "wide").bind_target(target)
+    assert loaded.config.specialist_intermediate_size == 200
+    assert "| 200 (the target's: 128) |" in (tmp_path / "wide" / "README.md").read_text()  # the model card says so
+    assert torch.equal(loaded.specialists[0].mlp.down_proj.weight, wide.specialists[0].mlp.down_proj.weight)
+    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=loaded), plain)
+    with pytest.raises(ValueError, match="wider"):
+        warm_start(PosSDrafter.from_target(target, num_specialists=2, specialist_intermediate_size=100), wide)
+    with pytest.raises(ValueError, match="specialist_intermediate_size"):
+        PosSDrafter.from_target(target, specialist_intermediate_size=0)
+
+
 def test_fused_drafter_starts_where_its_last_layer_source_stands(tmp_path):
     """A drafter reading target layers [0, 1, -1], warm-started from a last-layer-only drafter, predicts exactly what
     its source predicts (its fusion passes the final state through) until training moves it; saving and loading keep

@@ -32,6 +32,9 @@ class PosSConfig(PretrainedConfig):
             (1-based) uses specialist `min((p - 1) // k, num_specialists - 1)`. A single specialist is an
             EAGLE-2/HASS drafter.
         fc_bias (`bool`): whether the input projection `fc: 2H -> H` has a bias.
+        specialist_intermediate_size (`int`, *optional*): MLP width of the specialist layers; `None` (default) is
+            the target's `intermediate_size`. Wider specialists draft more slowly and may predict better;
+            `warm_start` widens a trained drafter without changing what it computes.
         feature_layers (`list[int]`, *optional*): the target hidden states the drafter reads, as
             `output_hidden_states` indices (0: embeddings, `i`: after decoder layer `i`, `-1`: the final post-norm
             state), ending with `-1`. `None` (default) reads the final state only (EAGLE-1/2, HASS). More than one
@@ -60,6 +63,7 @@ class PosSConfig(PretrainedConfig):
     num_specialists: int = 1
     positions_per_specialist: int = 1
     fc_bias: bool = True
+    specialist_intermediate_size: int | None = None
     feature_layers: list[int] | None = None
     draft_mode: str = "tree"
     tree_depth: int = 6
@@ -108,6 +112,8 @@ class PosSConfig(PretrainedConfig):
         fields = copy.deepcopy(self.target_config)
         model_type = fields.pop("model_type")
         fields["num_hidden_layers"] = self.num_specialists
+        if self.specialist_intermediate_size is not None:
+            fields["intermediate_size"] = self.specialist_intermediate_size
         if "layer_types" in fields:  # drafter layers always attend to the whole context
             fields["layer_types"] = ["full_attention"] * self.num_specialists
         for key in ("sliding_window", "max_window_layers"):
@@ -137,6 +143,9 @@ class PosSConfig(PretrainedConfig):
                 f"PosSConfig.draft_vocab_size must be None or an integer in [1, vocab_size={self.vocab_size}], "
                 f"got {self.draft_vocab_size!r}"
             )
+        width = self.specialist_intermediate_size
+        if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
+            raise ValueError(f"PosSConfig.specialist_intermediate_size must be None or an integer >= 1, got {width!r}")
         self._check_feature_layers()
         if self.target_config:
             family = self.target_config.get("model_type")

@@ -61,6 +61,9 @@ class TrainingArguments:
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "reduced draft vocabulary: the N most frequent assistant tokens of the training data"})
     fc_bias: bool = field(default=True, metadata={"help": "bias in the input projection"})
+    specialist_intermediate_size: int | None = field(default=None, metadata={
+        "help": "MLP width of the specialist layers (default: the target's); wider than an --init-from drafter's "
+                "widens it, starting from what it computes"})
     feature_layers: str | None = field(default=None, metadata={
         "help": "target hidden states the drafter reads, comma separated output_hidden_states indices ending in -1 "
                 "(e.g. 3,16,-1: low, mid and final, fused; default: the final one only, or what --features holds)"})
@@ -159,7 +162,9 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str) -> dict:
     `i` (a single-specialist EAGLE/HASS drafter goes into every specialist); its draft vocabulary and head too when
     both use one of the same size; its `fuse` when both read the same target layers (otherwise `fuse` keeps its
     initialisation, which passes the final hidden state through, so a last-layer-only source starts a fused drafter
-    exactly where it stands). Returns what was copied. Raises `ValueError` for drafters of another shape."""
+    exactly where it stands). Specialists wider than the source's (`specialist_intermediate_size`) get its MLP in
+    their first units and zero output weights on the rest, so they too start computing what the source computes.
+    Returns what was copied. Raises `ValueError` for drafters of another shape."""
     if isinstance(source, str):
         source = PosSDrafter.from_pretrained(source)
     mine, theirs = drafter.config.target_config, source.config.target_config
@@ -174,7 +179,7 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str) -> dict:
         drafter.fc.load_state_dict(source.fc.state_dict())
         n_source = len(source.specialists)
         for i, layer in enumerate(drafter.specialists):
-            layer.load_state_dict(source.specialists[min(i, n_source - 1)].state_dict())
+            _load_widened_layer(layer, source.specialists[min(i, n_source - 1)])
         copied_vocab = False
         if (drafter.draft_lm_head is not None and source.draft_lm_head is not None
                 and drafter.config.draft_vocab_size == source.config.draft_vocab_size):
@@ -187,7 +192,30 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str) -> dict:
             drafter.fuse.load_state_dict(source.fuse.state_dict())
     return {"source": source.config.name_or_path or "in-memory drafter", "source_specialists": n_source,
             "draft_vocab_copied": copied_vocab, "fuse_copied": copied_fuse,
-            "source_feature_layers": source.config.input_feature_layers}
+            "source_feature_layers": source.config.input_feature_layers,
+            "source_intermediate_size": source.specialists[0].mlp.gate_proj.out_features}
+
+
+def _load_widened_layer(layer: torch.nn.Module, source: torch.nn.Module) -> None:
+    """Copy decoder layer `source` into `layer`, whose MLP may be wider (`[I, H]` gate/up and `[H, I]` down against
+    the source's `I_s <= I`): the source's units go first and the extra units' down-projection columns are zeroed,
+    so the extra units add nothing until training moves them."""
+    mine, theirs = layer.state_dict(), source.state_dict()
+    width, source_width = layer.mlp.gate_proj.out_features, source.mlp.gate_proj.out_features
+    if source_width > width:
+        raise ValueError(f"cannot warm start: the source drafter's specialists are wider ({source_width} MLP units) "
+                         f"than this one's ({width})")
+    if source_width == width:
+        layer.load_state_dict(theirs)
+        return
+    for name, value in theirs.items():
+        if name.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
+            mine[name][:source_width] = value
+        elif name == "mlp.down_proj.weight":
+            mine[name][:, :source_width] = value
+            mine[name][:, source_width:] = 0
+        else:
+            mine[name].copy_(value)
 
 
 class PosSTrainer:
