@@ -112,6 +112,17 @@ def test_prompt_sets_from_folder_file_and_limit(prompt_folder):
     assert list(limited) == ["mt_bench"] and len(limited["mt_bench"]) == 1
 
 
+def test_prompt_sets_balanced_over_categories(tmp_path):
+    rows = [{"question_id": i, "category": category, "turns": [f"q{i}"]}
+            for i, category in enumerate(["writing"] * 3 + ["math"] * 3 + ["coding"] * 3)]
+    path = write_jsonl(tmp_path / "cats.jsonl", rows)
+    balanced = load_prompt_sets(str(path), per_category=2)["cats"]
+    assert [q.question_id for q in balanced] == [0, 1, 3, 4, 6, 7]
+    assert [q.question_id for q in load_prompt_sets(str(path), per_category=1, limit=2)["cats"]] == [0, 3]
+    with pytest.raises(ValueError, match="per_category"):
+        load_prompt_sets(str(path), per_category=0)
+
+
 def test_prompt_set_errors(tmp_path):
     write_jsonl(tmp_path / "bad.jsonl", [{"question_id": 1, "prompt": "no turns"}])
     with pytest.raises(ValueError, match="turns"):

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "a Hub dataset id[:split]; repeatable")
     parser.add_argument("--datasets", default=None, help="only these dataset names (comma separated)")
     parser.add_argument("--limit", type=int, default=None, help="questions per dataset")
+    parser.add_argument("--per-category", type=int, default=None, metavar="N",
+                        help="the first N questions of each category of a dataset (a balanced sample; MT-Bench's "
+                             "first ten questions are all writing), before --limit")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
@@ -97,8 +100,9 @@ def parse_drafter_specs(specs: list[str]) -> list[tuple[str, Path]]:
 def _check_args(args) -> None:
     if not args.prompts:
         raise ValueError("--prompts is required (a .jsonl file, a folder, registry:NAME or a Hub dataset id)")
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    for flag, value in (("--limit", args.limit), ("--per-category", args.per_category)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.temperature is not None and args.temperature <= 0:
@@ -138,7 +142,7 @@ def run_bench(args) -> int:
         drafter_specs = parse_drafter_specs(args.drafter)
         prompt_sets = {}
         for spec in args.prompts:
-            prompt_sets.update(load_prompt_sets(spec, limit=args.limit))
+            prompt_sets.update(load_prompt_sets(spec, limit=args.limit, per_category=args.per_category))
         if args.datasets:
             wanted = [d for d in args.datasets.split(",") if d]
             missing = set(wanted) - set(prompt_sets)

@@ -185,11 +185,26 @@ def load_hub_prompts(dataset_id: str, split: str | None = None, limit: int | Non
     return questions_from_rows(loaded, dataset_id.rstrip("/").split("/")[-1])
 
 
+def first_per_category(questions: list[Question], count: int) -> list[Question]:
+    """The first `count` questions of each category, in their original order (a sample balanced over categories:
+    MT-Bench lists its eight categories one after another, so its first questions are all writing)."""
+    taken: dict[str, int] = {}
+    kept = []
+    for question in questions:
+        if taken.get(question.category, 0) < count:
+            taken[question.category] = taken.get(question.category, 0) + 1
+            kept.append(question)
+    return kept
+
+
 # ---- one entry point ---------------------------------------------------------------------------------------------
-def load_prompt_sets(spec: str, limit: int | None = None, cache_dir=None) -> dict[str, list[Question]]:
-    """`{dataset name: questions}` for a file, a folder of `.jsonl` files, `registry:NAME`, or a Hub dataset id."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+def load_prompt_sets(spec: str, limit: int | None = None, cache_dir=None,
+                     per_category: int | None = None) -> dict[str, list[Question]]:
+    """`{dataset name: questions}` for a file, a folder of `.jsonl` files, `registry:NAME`, or a Hub dataset id;
+    `per_category` keeps the first that many questions of each category, then `limit` the first that many."""
+    for name, value in (("limit", limit), ("per_category", per_category)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     path = Path(spec).expanduser()
     if path.is_dir():
         files = sorted(path.glob("*.jsonl"))
@@ -211,7 +226,10 @@ def load_prompt_sets(spec: str, limit: int | None = None, cache_dir=None) -> dic
                     f"prompts {spec!r}: no such file or folder; not a registry set ({sorted(REGISTRY_SETS)}) and not "
                     "a Hub dataset id (owner/name[:split]) either"
                 )
-            sets = {dataset_id.split("/")[-1]: load_hub_prompts(dataset_id, split or None, limit)}
+            sets = {dataset_id.split("/")[-1]: load_hub_prompts(dataset_id, split or None,
+                                                                None if per_category else limit)}
+    if per_category is not None:
+        sets = {name: first_per_category(questions, per_category) for name, questions in sets.items()}
     if limit is not None:
         sets = {name: questions[:limit] for name, questions in sets.items()}
     return sets
