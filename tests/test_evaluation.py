@@ -359,6 +359,8 @@ def test_poss_bench_command_rejects_bad_input_before_loading(tmp_path, prompt_fo
     assert "--modes" in capsys.readouterr().err
     assert bench_main(["--target", "default"]) == 2
     assert "--prompts is required" in capsys.readouterr().err
+    assert bench_main(["--target", "default", "--prompts", str(prompt_folder), "--per-category", "0"]) == 2
+    assert "--per-category must be >= 1" in capsys.readouterr().err
 
 
 def test_poss_bench_needs_matplotlib_for_plots_before_loading(prompt_folder, monkeypatch, capsys):
