@@ -15,6 +15,11 @@ from transformers_poss.generation.drafting import DraftSession, draft_chain, dra
 from transformers_poss.generation.tree_decoding import tree_attention_mask
 
 
+def _ids(*rows: list[int]) -> torch.LongTensor:
+    """Token ids `[len(rows), n]` on the tiny models' device."""
+    return torch.tensor(rows, dtype=torch.long, device=DEVICE)
+
+
 @pytest.mark.parametrize(
     "bad", [dict(num_specialists=0), dict(positions_per_specialist=-1), dict(tree_depth=0), dict(tree_top_k=0),
             dict(tree_total_tokens=0), dict(draft_mode="beam"), dict(num_specialists=1.5)],
@@ -88,7 +93,7 @@ def test_mismatched_drafter_fails_before_any_work(other, match):
     target = tiny_target("llama", **other) if "vocab_size" not in other else tiny_target("llama", vocab_size=50)
     counter = _ForwardCounter(target)
     with pytest.raises(ValueError, match=match):
-        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=5, assistant_model=drafter)
+        target.generate(_ids([1, 2, 3]), max_new_tokens=5, assistant_model=drafter)
     assert counter.calls == 0
 
 
@@ -96,7 +101,7 @@ def test_drafter_for_another_family_fails():
     drafter = PosSDrafter.from_target(tiny_target("llama"))
     target = tiny_target("qwen2")
     with pytest.raises(ValueError, match="'llama'.*'qwen2'"):
-        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=5, assistant_model=drafter)
+        target.generate(_ids([1, 2, 3]), max_new_tokens=5, assistant_model=drafter)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +115,7 @@ def test_unsupported_generate_options_fail_before_any_work(kwargs, match):
     drafter = PosSDrafter.from_target(target)
     counter = _ForwardCounter(target)
     with pytest.raises(ValueError, match=match):
-        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=5, assistant_model=drafter, **kwargs)
+        target.generate(_ids([1, 2, 3]), max_new_tokens=5, assistant_model=drafter, **kwargs)
     assert counter.calls == 0
 
 
@@ -119,9 +124,9 @@ def test_batch_and_padding_fail_before_any_work():
     drafter = PosSDrafter.from_target(target)
     counter = _ForwardCounter(target)
     with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(torch.tensor([[1, 2, 3], [4, 5, 6]], device=DEVICE), max_new_tokens=5, assistant_model=drafter)
+        target.generate(_ids([1, 2, 3], [4, 5, 6]), max_new_tokens=5, assistant_model=drafter)
     with pytest.raises(ValueError, match="padded"):
-        target.generate(torch.tensor([[0, 2, 3]], device=DEVICE), attention_mask=torch.tensor([[0, 1, 1]], device=DEVICE), max_new_tokens=5,
+        target.generate(_ids([0, 2, 3]), attention_mask=_ids([0, 1, 1]), max_new_tokens=5,
                         assistant_model=drafter)
     assert counter.calls == 0
 
@@ -131,14 +136,14 @@ def test_unknown_draft_mode_set_after_loading_fails():
     drafter = PosSDrafter.from_target(target)
     drafter.config.draft_mode = "beam"
     with pytest.raises(ValueError, match="draft_mode"):
-        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=5, assistant_model=drafter)
+        target.generate(_ids([1, 2, 3]), max_new_tokens=5, assistant_model=drafter)
 
 
 def test_sliding_window_target_beyond_window_is_refused():
     target = tiny_target("gemma3")
     drafter = PosSDrafter.from_target(target)
     with pytest.raises(ValueError, match="sliding-window"):
-        target.generate(torch.tensor([[1, 2, 3]], device=DEVICE), max_new_tokens=300, assistant_model=drafter)
+        target.generate(_ids([1, 2, 3]), max_new_tokens=300, assistant_model=drafter)
 
 
 def test_unsupported_transformers_version_fails_at_import_check(monkeypatch):
@@ -199,15 +204,16 @@ def test_tree_mask_matches_running_each_path(fitted_pairs, family, attn):
         past = sequence.shape[1] - 1
         with torch.no_grad():
             target(sequence[:, :-1], cache=cache, use_cache=True)
+            mask = tree_attention_mask(target, tree, past, DEVICE)
             tree_logits = target(tree.tokens[None], position_ids=(past + tree.depths)[None], cache=cache,
-                                 attention_mask=tree_attention_mask(target, tree, past, DEVICE), use_cache=True).logits[0]
+                                 attention_mask=mask, use_cache=True).logits[0]
         parents = tree.parents.tolist()
         for node in range(len(tree)):
             path, cursor = [], node
             while cursor > 0:
                 path.append(int(tree.tokens[cursor]))
                 cursor = parents[cursor]
-            plain = torch.cat((sequence, torch.tensor([path[::-1]], dtype=torch.long, device=DEVICE).reshape(1, -1)), dim=1)
+            plain = torch.cat((sequence, _ids(path[::-1])), dim=1)
             with torch.no_grad():
                 expected = target(plain).logits[0, -1]
             torch.testing.assert_close(tree_logits[node], expected, atol=1e-4, rtol=1e-4)  # fp32 tolerance

@@ -22,7 +22,8 @@ def _exact_marginals(target, prompt, temperature):
     marginals = torch.zeros(NEW_TOKENS, VOCAB, dtype=torch.float64)
     for prefix_len in range(NEW_TOKENS):
         for prefix in itertools.product(range(VOCAB), repeat=prefix_len):
-            ids = torch.cat((prompt, torch.tensor([prefix], dtype=torch.long, device=prompt.device).reshape(1, -1)), dim=1)
+            prefix_ids = torch.tensor([prefix], dtype=torch.long, device=prompt.device).reshape(1, -1)
+            ids = torch.cat((prompt, prefix_ids), dim=1)
             with torch.no_grad():
                 logits = target(ids).logits[0].double().cpu() / temperature
             prob_prefix = 1.0

@@ -470,7 +470,8 @@ def test_offline_features_round_trip_and_resume(tmp_path, fresh_accelerate):
         assert item["input_ids"].tolist() == examples[i]["input_ids"]
         assert item["loss_mask"].tolist() == examples[i]["loss_mask"]
         assert item["features"].dtype == torch.bfloat16
-        reference = out_t.hidden_states[-1][0].to(torch.bfloat16).float().cpu()  # batched, padded run: bf16 rounding only
+        # A batched, padded run: bf16 rounding only.
+        reference = out_t.hidden_states[-1][0].to(torch.bfloat16).float().cpu()
         torch.testing.assert_close(item["features"].float(), reference, rtol=1e-2, atol=1e-2)
         assert torch.equal(item["target_argmax"], out_t.logits[0].argmax(-1).cpu())
     # A rerun finds the shards done; other settings in the same folder are refused.

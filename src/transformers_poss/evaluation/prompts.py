@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,11 +189,11 @@ def load_hub_prompts(dataset_id: str, split: str | None = None, limit: int | Non
 def first_per_category(questions: list[Question], count: int) -> list[Question]:
     """The first `count` questions of each category, in their original order (a sample balanced over categories:
     MT-Bench lists its eight categories one after another, so its first questions are all writing)."""
-    taken: dict[str, int] = {}
+    taken = Counter()
     kept = []
     for question in questions:
-        if taken.get(question.category, 0) < count:
-            taken[question.category] = taken.get(question.category, 0) + 1
+        if taken[question.category] < count:
+            taken[question.category] += 1
             kept.append(question)
     return kept
 
