@@ -16,6 +16,7 @@ from tiny_models import DEVICE
 from tiny_tokenizer import char_tokenizer
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from transformers_poss import PosSDrafter
 from transformers_poss.evaluation import (
     ACCEPTANCE_METRIC_PATH, BASELINE, Method, baseline_method, chat_prompt, compare_tokens, greedy_consistency,
     load_prompt_sets, markdown_table, poss_methods, prompt_lookup_method, read_registry_set, run_benchmark, summarize,
@@ -224,8 +225,11 @@ def test_losslessness_checks_flag_a_perturbed_output(fitted_pairs):
 def bench_run(fitted_pairs, tokenizer, prompt_folder):
     target, drafter = fitted_pairs("llama")
     sets = load_prompt_sets(str(prompt_folder))
+    torch.manual_seed(3)
+    reduced = PosSDrafter.from_target(target, draft_vocab_size=48, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+    reduced.init_draft_vocab(torch.arange(48))  # can draft ids 0..47 only
     methods = [baseline_method(), prompt_lookup_method(3), *poss_methods("fitted", drafter, ("tree", "chain")),
-               Perturbed("perturbed", "custom")]
+               *poss_methods("vocab48", reduced, ("tree",)), Perturbed("perturbed", "custom")]
     return run_benchmark(target, tokenizer, sets, methods, max_new_tokens=12, warmup=1), drafter
 
 
@@ -292,12 +296,19 @@ def test_summary_json_markdown_and_plots(bench_run, tmp_path):
     assert tree["identical"] == tree["compared"] == 4 and tree["time_split"]["verify"] > 0
     assert tree["lookup_tokens"] == sum(r.lookup_tokens for r in run.records
                                         if r.method == "fitted-tree" and r.dataset == "mt_bench")
+    assert tree["draft_vocab_coverage"] is None  # drafts over the whole vocabulary
+    reduced = [r for r in run.records if r.method == "vocab48-tree"]
+    inside = sum(token < 48 for r in reduced for token in r.output_ids)
+    assert 0 < inside < sum(r.new_tokens for r in reduced)
+    assert by_key[("all", "vocab48-tree")]["draft_vocab_coverage"] == pytest.approx(
+        inside / sum(r.new_tokens for r in reduced))
     perturbed = by_key[("all", "perturbed")]
     assert perturbed["identical"] < perturbed["compared"] and perturbed["mismatches"]
     assert by_key[("all", "prompt-lookup")]["tau_source"] == "target_forwards"
 
     table = markdown_table(rows)
     assert "| mt_bench | fitted-tree |" in table and "MISMATCH mt_bench perturbed" in table
+    assert f"| {by_key[('all', 'vocab48-tree')]['draft_vocab_coverage']:.3f} |" in table
 
     from transformers_poss.evaluation import environment
 

@@ -281,6 +281,40 @@ def test_widened_specialists_start_where_their_source_stands(tmp_path):
         PosSDrafter.from_target(target, specialist_intermediate_size=0)
 
 
+def test_grown_draft_vocabulary_keeps_the_trained_head_and_maps_the_new_rows():
+    """Warm-starting into a larger draft vocabulary keeps the source's tokens and trained rows first (its logits over
+    them unchanged), adds the most frequent tokens it lacks, and gives them the target's rows through the affine map
+    that takes the source's target rows to its trained rows (exact here, where the trained rows are such a map);
+    generation through the grown drafter stays lossless. Without token counts the vocabulary is not copied."""
+    target = tiny_target("llama", vocab_size=200)  # hidden 64: the affine map has 65 unknowns per output
+    torch.manual_seed(1)
+    source = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=80)
+    source_ids = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:80]
+    source.init_draft_vocab(source_ids)
+    lm_head = target.lm_head.weight.detach().cpu()
+    scale, shift = torch.randn(64, 64) / 8, torch.randn(64)
+    with torch.no_grad():  # "training" moved the head by an affine map of the target rows
+        source.draft_lm_head.weight.copy_(lm_head[source_ids] @ scale + shift)
+    counts = torch.arange(200, dtype=torch.long) % 37  # ties broken by the lower id
+    grown = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120)
+    info = warm_start(grown, source, token_counts=counts)
+    assert info["draft_vocab_copied"] is True and info["draft_vocab_grown_from"] == 80
+    rest = counts.double()
+    rest[source_ids] = -1
+    expected_new = torch.sort(rest, descending=True, stable=True).indices[:40]
+    assert torch.equal(grown.draft_to_target.cpu(), torch.cat((source_ids, expected_new)))
+    assert len(set(grown.draft_to_target.tolist())) == 120
+    assert torch.equal(grown.draft_lm_head.weight[:80].cpu(), source.draft_lm_head.weight.cpu())
+    torch.testing.assert_close(grown.draft_lm_head.weight[80:].cpu(), lm_head[expected_new] @ scale + shift,
+                               rtol=1e-4, atol=1e-4)
+    prompt = torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=grown), plain)
+    fresh = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120)
+    info = warm_start(fresh, source)
+    assert info["draft_vocab_copied"] is False and info["draft_vocab_grown_from"] is None
+
+
 def test_fused_drafter_starts_where_its_last_layer_source_stands(tmp_path):
     """A drafter reading target layers [0, 1, -1], warm-started from a last-layer-only drafter, predicts exactly what
     its source predicts (its fusion passes the final state through) until training moves it; saving and loading keep

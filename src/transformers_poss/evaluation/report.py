@@ -38,7 +38,8 @@ def summarize(run: BenchmarkRun, metric=None) -> list[dict]:
     turns of the per-turn ratio to the baseline), mean_acceptance_length (tau; None for the baseline), tau_source
     ("rounds": PosS per-round records; "target_forwards": tokens per target forward), position_acceptance
     (alpha_1..alpha_depth for PosS, else []), time_split (seconds, PosS), lookup_tokens (PosS: accepted draft
-    tokens only the prompt-lookup branch proposed), peak_memory_mb, identical / compared /
+    tokens only the prompt-lookup branch proposed), draft_vocab_coverage (PosS with a draft vocabulary: the fraction
+    of answer tokens inside it, which no draft can get beyond), peak_memory_mb, identical / compared /
     mismatches (greedy only), consistent / consistency_checked / max_gap.
     This is the `results` shape `transformers_poss.hub.load_benchmark` reads for model cards.
     """
@@ -98,6 +99,9 @@ def _summarize_method(dataset, method, records, baseline, baseline_rate, metric)
         row["time_split"] = {key: sum((r.time_split or {}).get(key, 0.0) for r in records)
                              for key in ("draft", "verify", "bookkeeping")}
         row["lookup_tokens"] = sum(r.lookup_tokens or 0 for r in records)
+        counted = [r for r in records if r.in_draft_vocab is not None]
+        tokens = sum(r.new_tokens for r in counted)
+        row["draft_vocab_coverage"] = sum(r.in_draft_vocab for r in counted) / tokens if tokens else None
     elif method.kind != "baseline":
         tokens = sum(r.new_tokens - 1 for r in records if r.target_forwards > 1)
         rounds = sum(r.target_forwards - 1 for r in records if r.target_forwards > 1)
@@ -207,7 +211,7 @@ def _fmt(value, spec=".2f", missing="-"):
 def markdown_table(rows: list[dict]) -> str:
     """The summary as a markdown table (losslessness columns show counts, never hide mismatches)."""
     header = ("| dataset | method | tok/s total | tok/s median | speedup | speedup median | tau | alpha_1..alpha_d "
-              "| draft / verify s | peak MB | identical | consistent |")
+              "| in draft vocab | draft / verify s | peak MB | identical | consistent |")
     lines = [header, "|" + "|".join(["---"] * (header.count("|") - 1)) + "|"]
     for row in rows:
         alphas = row.get("position_acceptance")
@@ -222,9 +226,11 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {row['dataset']} | {row['method']} | {_fmt(row['tokens_per_s'], '.1f')} | "
             f"{_fmt(row['tokens_per_s_median'], '.1f')} | {_fmt(row['speedup'])}x | {_fmt(row['speedup_median'])}x | "
-            f"{tau} | {alpha_text} | {split_text} | {_fmt(row['peak_memory_mb'], '.0f')} | {identical} | {consistent} |"
+            f"{tau} | {alpha_text} | {_fmt(row.get('draft_vocab_coverage'), '.3f')} | {split_text} | {_fmt(row['peak_memory_mb'], '.0f')} | {identical} | {consistent} |"
         )
     notes = ["", "tau* = tokens per target forward (from counting forwards; no per-round record for that method).",
+             "in draft vocab = share of the answer tokens inside the drafter's reduced draft vocabulary (no draft can "
+             "propose the others).",
              "identical = greedy answers equal to the baseline's token for token; consistent = every generated token "
              "within the dtype tolerance of the target's argmax when teacher-forced."]
     mismatched = [row for row in rows if row.get("mismatches") and row["dataset"] != ALL]

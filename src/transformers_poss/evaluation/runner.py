@@ -39,6 +39,7 @@ class TurnRecord:
     tau_source: str | None = None  # "rounds" (PosS stats) or "target_forwards"
     time_split: dict | None = None  # PosS only: draft / verify / bookkeeping seconds
     lookup_tokens: int | None = None  # PosS only: accepted draft tokens only the prompt-lookup branch proposed
+    in_draft_vocab: int | None = None  # PosS with a draft vocabulary: answer tokens it could have drafted
     peak_memory_bytes: int | None = None
     identical: bool | None = None  # token identity with the baseline's answer (greedy only)
     first_mismatch: int | None = None
@@ -276,6 +277,9 @@ def _run_conversation(target, tokenizer, encode, question: Question, method: Met
             record.tau_source = "rounds"
             record.time_split = stats.time_split()
             record.lookup_tokens = stats.lookup_tokens
+            draft_vocab = getattr(method.drafter, "draft_to_target", None)
+            if draft_vocab is not None:
+                record.in_draft_vocab = int(torch.isin(torch.tensor(output, dtype=torch.long), draft_vocab.cpu()).sum())
         elif method.kind != "baseline" and forwards > 1:
             # prefill gives the first token; each later target forward is one round producing a + 1 tokens
             record.tau = (len(output) - 1) / (forwards - 1)

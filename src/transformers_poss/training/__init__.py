@@ -77,12 +77,12 @@ from .features import (
 )
 from .objective import UnrolledObjective, feature_noise, prediction_mask, unrolled_allowed, unrolled_forward
 from .pipeline import build_drafter, load_target, run_training
-from .trainer import PosSTrainer, TrainingArguments, warm_start
+from .trainer import PosSTrainer, TrainingArguments, grow_draft_vocab, warm_start
 
 __all__ = [
     "FeatureDataset", "PosSTrainer", "TrainingArguments", "UnrolledObjective", "assistant_mask_method",
     "build_drafter", "build_examples", "count_token_frequencies", "extract_features", "feature_noise",
     "format_conversation", "iter_json_array", "load_feature_dataset", "load_feature_folders", "load_records",
     "load_sharegpt_json", "load_target", "prediction_mask", "run_training", "self_distill", "target_features",
-    "to_messages", "top_token_ids", "unrolled_allowed", "unrolled_forward", "warm_start",
+    "to_messages", "top_token_ids", "unrolled_allowed", "unrolled_forward", "warm_start", "grow_draft_vocab",
 ]

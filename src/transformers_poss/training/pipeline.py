@@ -94,15 +94,19 @@ def build_drafter(args: TrainingArguments, target, token_examples=None) -> tuple
     )
     record = {}
     copied_vocab = False
-    if args.init_from:
-        record["init_from"] = warm_start(drafter, args.init_from)
-        copied_vocab = record["init_from"]["draft_vocab_copied"]
+    counts = None
     if args.draft_vocab_size is not None and token_examples is not None:
         counts = count_token_frequencies(token_examples(), drafter.config.vocab_size)
+    if args.init_from:
+        record["init_from"] = warm_start(drafter, args.init_from, token_counts=counts)
+        copied_vocab = record["init_from"]["draft_vocab_copied"]
+    if counts is not None:
         if not copied_vocab:
             drafter.init_draft_vocab(top_token_ids(counts, args.draft_vocab_size))
-        record["draft_vocab"] = {"size": args.draft_vocab_size, "from": "init_from" if copied_vocab else
-                                 "most frequent assistant tokens of the training split",
+        grown_from = record.get("init_from", {}).get("draft_vocab_grown_from")
+        source = ("init_from's, grown by the most frequent assistant tokens of the training split" if grown_from
+                  else "init_from" if copied_vocab else "most frequent assistant tokens of the training split")
+        record["draft_vocab"] = {"size": args.draft_vocab_size, "from": source,
                                  "coverage": draft_vocab_coverage(counts, drafter.draft_to_target.cpu())}
     return drafter, record
 

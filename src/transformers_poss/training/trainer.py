@@ -157,10 +157,11 @@ def split_indices(n: int, val_fraction: float, val_max: int, seed: int) -> tuple
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
-def warm_start(drafter: PosSDrafter, source: PosSDrafter | str) -> dict:
+def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: torch.Tensor | None = None) -> dict:
     """Initialise `drafter` from a trained drafter: its `fc`, and its layer `min(i, n_source - 1)` into specialist
     `i` (a single-specialist EAGLE/HASS drafter goes into every specialist); its draft vocabulary and head too when
-    both use one of the same size; its `fuse` when both read the same target layers (otherwise `fuse` keeps its
+    both use one of the same size, or grown (`grow_draft_vocab`) when this drafter's is larger and `token_counts`
+    `[V]` of the training data are given; its `fuse` when both read the same target layers (otherwise `fuse` keeps its
     initialisation, which passes the final hidden state through, so a last-layer-only source starts a fused drafter
     exactly where it stands). Specialists wider than the source's (`specialist_intermediate_size`) get its MLP in
     their first units and zero output weights on the rest, so they too start computing what the source computes.
@@ -180,20 +181,49 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str) -> dict:
         n_source = len(source.specialists)
         for i, layer in enumerate(drafter.specialists):
             _load_widened_layer(layer, source.specialists[min(i, n_source - 1)])
-        copied_vocab = False
-        if (drafter.draft_lm_head is not None and source.draft_lm_head is not None
-                and drafter.config.draft_vocab_size == source.config.draft_vocab_size):
-            drafter.draft_lm_head.load_state_dict(source.draft_lm_head.state_dict())
-            drafter.draft_to_target.copy_(source.draft_to_target)
-            copied_vocab = True
+        copied_vocab = grown_from = None
+        if drafter.draft_lm_head is not None and source.draft_lm_head is not None:
+            mine_size, source_size = drafter.config.draft_vocab_size, source.config.draft_vocab_size
+            if mine_size == source_size:
+                drafter.draft_lm_head.load_state_dict(source.draft_lm_head.state_dict())
+                drafter.draft_to_target.copy_(source.draft_to_target)
+            elif mine_size > source_size and token_counts is not None:
+                grow_draft_vocab(drafter, source, token_counts)
+                grown_from = source_size
+            copied_vocab = mine_size == source_size or grown_from is not None
         copied_fuse = (drafter.fuse is not None and source.fuse is not None
                        and drafter.config.input_feature_layers == source.config.input_feature_layers)
         if copied_fuse:
             drafter.fuse.load_state_dict(source.fuse.state_dict())
     return {"source": source.config.name_or_path or "in-memory drafter", "source_specialists": n_source,
-            "draft_vocab_copied": copied_vocab, "fuse_copied": copied_fuse,
+            "draft_vocab_copied": bool(copied_vocab), "draft_vocab_grown_from": grown_from,
+            "fuse_copied": copied_fuse,
             "source_feature_layers": source.config.input_feature_layers,
             "source_intermediate_size": source.specialists[0].mlp.gate_proj.out_features}
+
+
+def grow_draft_vocab(drafter: PosSDrafter, source: PosSDrafter, token_counts: torch.Tensor) -> None:
+    """Give `drafter` (bound, draft vocabulary `Vd`) the source's smaller draft vocabulary `[Vs]` and trained head rows
+    first, then the `Vd - Vs` tokens most frequent in `token_counts` `[V]` (ties: lower id) that the source lacks.
+
+    A trained head drifts from the target's `lm_head` rows it started from, so the new tokens' rows are the
+    target's rows `[Vd - Vs, H]` carried through the least-squares affine map that takes the source's tokens' target
+    rows to its trained rows. The source's logits over its own tokens are unchanged."""
+    source_ids = source.draft_to_target.to(token_counts.device)
+    rest = token_counts.to(torch.float64).clone()
+    rest[source_ids] = -1
+    new_ids = torch.sort(rest, descending=True, stable=True).indices[: drafter.config.draft_vocab_size - len(source_ids)]
+    target_rows = drafter._bound["lm_head"].weight.detach().float().cpu()
+    source_rows = source.draft_lm_head.weight.detach().float().cpu()
+
+    def with_bias(rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat((rows, torch.ones(len(rows), 1)), dim=1)
+
+    affine = torch.linalg.lstsq(with_bias(target_rows[source_ids.cpu()]), source_rows).solution  # [H + 1, H]
+    new_rows = with_bias(target_rows[new_ids.cpu()]) @ affine
+    with torch.no_grad():
+        drafter.draft_to_target.copy_(torch.cat((source_ids.cpu(), new_ids.cpu())))
+        drafter.draft_lm_head.weight.copy_(torch.cat((source_rows, new_rows)))
 
 
 def _load_widened_layer(layer: torch.nn.Module, source: torch.nn.Module) -> None:
