@@ -226,7 +226,8 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {row['dataset']} | {row['method']} | {_fmt(row['tokens_per_s'], '.1f')} | "
             f"{_fmt(row['tokens_per_s_median'], '.1f')} | {_fmt(row['speedup'])}x | {_fmt(row['speedup_median'])}x | "
-            f"{tau} | {alpha_text} | {_fmt(row.get('draft_vocab_coverage'), '.3f')} | {split_text} | {_fmt(row['peak_memory_mb'], '.0f')} | {identical} | {consistent} |"
+            f"{tau} | {alpha_text} | {_fmt(row.get('draft_vocab_coverage'), '.3f')} | {split_text} | "
+            f"{_fmt(row['peak_memory_mb'], '.0f')} | {identical} | {consistent} |"
         )
     notes = ["", "tau* = tokens per target forward (from counting forwards; no per-round record for that method).",
              "in draft vocab = share of the answer tokens inside the drafter's reduced draft vocabulary (no draft can "

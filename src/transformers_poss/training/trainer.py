@@ -71,7 +71,9 @@ class TrainingArguments:
     tree_top_k: int = field(default=10, metadata={"help": "inference setting saved in config.json"})
     tree_total_tokens: int = field(default=60, metadata={"help": "inference setting saved in config.json"})
     init_from: str | None = field(default=None, metadata={
-        "help": "warm start: a trained drafter whose fc and layer(s) initialise every specialist"})
+        "help": "warm start: a trained drafter whose fc and layer(s) initialise every specialist; a larger "
+                "--draft-vocab-size grows its draft vocabulary (its tokens and head kept, the training data's most "
+                "frequent others added)"})
     epochs: int = field(default=1, metadata={"help": "passes over the training examples"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     batch_size: int = field(default=4, metadata={"help": "sequences per device per micro-batch"})
@@ -181,7 +183,7 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
         n_source = len(source.specialists)
         for i, layer in enumerate(drafter.specialists):
             _load_widened_layer(layer, source.specialists[min(i, n_source - 1)])
-        copied_vocab = grown_from = None
+        copied_vocab, grown_from = False, None
         if drafter.draft_lm_head is not None and source.draft_lm_head is not None:
             mine_size, source_size = drafter.config.draft_vocab_size, source.config.draft_vocab_size
             if mine_size == source_size:
@@ -196,7 +198,7 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
         if copied_fuse:
             drafter.fuse.load_state_dict(source.fuse.state_dict())
     return {"source": source.config.name_or_path or "in-memory drafter", "source_specialists": n_source,
-            "draft_vocab_copied": bool(copied_vocab), "draft_vocab_grown_from": grown_from,
+            "draft_vocab_copied": copied_vocab, "draft_vocab_grown_from": grown_from,
             "fuse_copied": copied_fuse,
             "source_feature_layers": source.config.input_feature_layers,
             "source_intermediate_size": source.specialists[0].mlp.gate_proj.out_features}
