@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..modeling_poss import PosSDrafter
-from .data import EpochSampler, collate
+from .data import EpochSampler, collate, top_token_ids
 from .features import parse_feature_layers, target_features
 from .objective import UnrolledObjective, feature_noise
 
@@ -212,10 +212,10 @@ def grow_draft_vocab(drafter: PosSDrafter, source: PosSDrafter, token_counts: to
     target's rows `[Vd - Vs, H]` carried through the least-squares affine map that takes the source's tokens' target
     rows to its trained rows. The source's logits over its own tokens are unchanged."""
     source_ids = source.draft_to_target.to(token_counts.device)
-    rest = token_counts.to(torch.float64).clone()
+    rest = token_counts.clone()
     rest[source_ids] = -1
-    new_ids = torch.sort(rest, descending=True, stable=True).indices[: drafter.config.draft_vocab_size - len(source_ids)]
-    target_rows = drafter._bound["lm_head"].weight.detach().float().cpu()
+    new_ids = top_token_ids(rest, drafter.config.draft_vocab_size - len(source_ids))
+    target_rows = drafter.bound_target.get_output_embeddings().weight.detach().float().cpu()
     source_rows = source.draft_lm_head.weight.detach().float().cpu()
 
     def with_bias(rows: torch.Tensor) -> torch.Tensor:
