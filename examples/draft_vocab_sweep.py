@@ -28,14 +28,18 @@ def with_draft_vocab(drafter: PosSDrafter, size: int | None) -> PosSDrafter:
     if current is None or (size is not None and not 1 <= size <= current):
         raise ValueError(f"size must be in [1, {current}] or None for a drafter with draft_vocab_size={current}")
     config = drafter.config.__class__.from_dict(drafter.config.to_dict())
+    own = drafter.config.own_draft_head_rows
     config.draft_vocab_size = size
+    config.draft_head_rows = own if size is not None and size > own else None  # mapped rows beyond the own ones
     variant = PosSDrafter(config)
-    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith(("draft_lm_head", "draft_to_target"))}
-    variant.load_state_dict(state, strict=False)
+    head = ("draft_lm_head", "draft_to_target", "draft_head_map")
+    variant.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith(head)}, strict=False)
     if size is not None:
         with torch.no_grad():
-            variant.draft_lm_head.weight.copy_(drafter.draft_lm_head.weight[:size])
+            variant.draft_lm_head.weight.copy_(drafter.draft_lm_head.weight[: min(size, own)])
             variant.draft_to_target.copy_(drafter.draft_to_target[:size])
+            if variant.draft_head_map is not None:
+                variant.draft_head_map.load_state_dict(drafter.draft_head_map.state_dict())
     return variant
 
 

@@ -315,6 +315,65 @@ def test_grown_draft_vocabulary_keeps_the_trained_head_and_maps_the_new_rows():
     assert info["draft_vocab_copied"] is False and info["draft_vocab_grown_from"] is None
 
 
+def test_draft_head_with_mapped_rows_grows_saves_and_trains(tmp_path):
+    """A draft vocabulary of 120 whose head stores only 90 rows: grown from an 80-token drafter, the 10 new own rows
+    and the 30 mapped ones both equal the target's rows through the fitted affine map, so the logits over the mapped
+    tokens are exact; it saves without those 30 rows, loads to the same logits, generates losslessly, and training
+    moves the map. A fresh one drafts the target's own logits over its tokens."""
+    target = tiny_target("llama", vocab_size=200)
+    torch.manual_seed(1)
+    source = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=80)
+    source_ids = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:80]
+    source.init_draft_vocab(source_ids)
+    lm_head = target.lm_head.weight.detach().cpu()
+    scale, shift = torch.randn(64, 64) / 8, torch.randn(64)
+    with torch.no_grad():
+        source.draft_lm_head.weight.copy_(lm_head[source_ids] @ scale + shift)
+    counts = torch.arange(200, dtype=torch.long) % 37
+    hybrid = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120,
+                                     draft_head_rows=90)
+    info = warm_start(hybrid, source, token_counts=counts)
+    assert info["draft_vocab_grown_from"] == 80
+    assert hybrid.draft_lm_head.weight.shape == (90, 64) and hybrid.draft_head_map.weight.shape == (65, 64)
+    ids = hybrid.draft_to_target.cpu()
+    features = torch.randn(3, 64).to(DEVICE)
+    expected_rows = torch.cat((source.draft_lm_head.weight.detach().cpu(), lm_head[ids[80:]] @ scale + shift))
+    torch.testing.assert_close(hybrid.logits(features).detach().cpu(), features.cpu() @ expected_rows.T,
+                               rtol=1e-4, atol=1e-3)
+
+    hybrid.save_pretrained(tmp_path / "hybrid")
+    from safetensors.torch import load_file
+    stored = load_file(tmp_path / "hybrid" / "model.safetensors")
+    assert stored["draft_lm_head.weight"].shape == (90, 64) and stored["draft_head_map.weight"].shape == (65, 64)
+    loaded = PosSDrafter.from_pretrained(tmp_path / "hybrid").bind_target(target)
+    assert loaded.config.draft_head_rows == 90
+    assert torch.equal(loaded.logits(features), hybrid.logits(features))
+    prompt = torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=loaded), plain)
+
+    before = loaded.draft_head_map.weight.detach().clone()
+    optimizer = torch.optim.SGD(loaded.parameters(), lr=0.1)
+    loaded.logits(features)[:, 100:].logsumexp(-1).sum().backward()  # reaches the map through mapped rows only
+    assert loaded.draft_lm_head.weight.grad is None or not loaded.draft_lm_head.weight.grad.any()
+    optimizer.step()
+    assert not torch.equal(loaded.draft_head_map.weight, before)
+    assert not torch.equal(loaded.logits(features), hybrid.logits(features))  # the cached rows are not stale state
+
+    shrunk = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120,
+                                     draft_head_rows=50)  # fewer own rows than the source: its last 30 get mapped
+    warm_start(shrunk, source, token_counts=counts)
+    assert torch.equal(shrunk.draft_to_target, hybrid.draft_to_target)
+    torch.testing.assert_close(shrunk.logits(features), hybrid.logits(features), rtol=1e-4, atol=1e-3)
+
+    fresh = PosSDrafter.from_target(target, draft_vocab_size=120, draft_head_rows=0)
+    fresh.init_draft_vocab(ids)
+    torch.testing.assert_close(fresh.logits(features), features @ target.lm_head.weight[ids.to(DEVICE)].T)
+    for rows, vocab in ((5, None), (121, 120), (-1, 120)):
+        with pytest.raises(ValueError, match="draft_head_rows"):
+            PosSDrafter.from_target(target, draft_vocab_size=vocab, draft_head_rows=rows)
+
+
 def test_fused_drafter_starts_where_its_last_layer_source_stands(tmp_path):
     """A drafter reading target layers [0, 1, -1], warm-started from a last-layer-only drafter, predicts exactly what
     its source predicts (its fusion passes the final state through) until training moves it; saving and loading keep

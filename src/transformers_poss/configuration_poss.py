@@ -52,6 +52,10 @@ class PosSConfig(PretrainedConfig):
             their latest earlier occurrence.
         draft_vocab_size (`int`, *optional*): size of a reduced draft vocabulary (a drafter-own `lm_head`
             over the most frequent target tokens); `None` drafts over the full target vocabulary.
+        draft_head_rows (`int`, *optional*): with a draft vocabulary, how many of its rows (the first) the drafter
+            stores and trains as its own; the other `draft_vocab_size - draft_head_rows` read the target's `lm_head`
+            rows through a trained map `draft_head_map` (`(H + 1) * H` parameters for any number of rows), so a
+            large draft vocabulary costs little to store. `None` (default) stores every row.
         training_record (`dict`, *optional*): data, steps, tokens and validation accuracy of training.
         tuning_record (`dict`, *optional*): what `poss tune` measured and predicted when it chose the tree budget.
     """
@@ -72,6 +76,7 @@ class PosSConfig(PretrainedConfig):
     lookup_num_tokens: int = 0
     lookup_ngram_size: int = 3
     draft_vocab_size: int | None = None
+    draft_head_rows: int | None = None
     training_record: dict | None = None
     tuning_record: dict | None = None
     tie_word_embeddings: bool = False
@@ -123,6 +128,11 @@ class PosSConfig(PretrainedConfig):
         config._attn_implementation = self._attn_implementation if self._attn_implementation else "sdpa"
         return config
 
+    @property
+    def own_draft_head_rows(self) -> int | None:
+        """Rows of the draft head the drafter stores (`draft_head_rows`, or all of `draft_vocab_size`)."""
+        return self.draft_vocab_size if self.draft_head_rows is None else self.draft_head_rows
+
     def check_settings(self) -> None:
         """Raise `ValueError` on settings no drafter can run with."""
         minimums = {
@@ -142,6 +152,15 @@ class PosSConfig(PretrainedConfig):
             raise ValueError(
                 f"PosSConfig.draft_vocab_size must be None or an integer in [1, vocab_size={self.vocab_size}], "
                 f"got {self.draft_vocab_size!r}"
+            )
+        rows = self.draft_head_rows
+        if rows is not None and (
+            self.draft_vocab_size is None or not isinstance(rows, int) or isinstance(rows, bool)
+            or not 0 <= rows <= self.draft_vocab_size
+        ):
+            raise ValueError(
+                f"PosSConfig.draft_head_rows must be None or an integer in [0, draft_vocab_size="
+                f"{self.draft_vocab_size}] (it needs a draft vocabulary), got {rows!r}"
             )
         width = self.specialist_intermediate_size
         if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):

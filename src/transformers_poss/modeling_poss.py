@@ -85,6 +85,11 @@ class PosSPreTrainedModel(PreTrainedModel):
             with torch.no_grad():
                 module.weight.zero_()
                 module.weight[:, -hidden:] = torch.eye(hidden, dtype=module.weight.dtype)
+        elif module is getattr(self, "draft_head_map", None):
+            # Start as the target's own rows: m = [features, 0].
+            with torch.no_grad():
+                module.weight.zero_()
+                module.weight[:-1] = torch.eye(module.weight.shape[1], dtype=module.weight.dtype)
         elif isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
@@ -108,7 +113,12 @@ class PosSDrafter(PosSPreTrainedModel):
             states to the feature space (initialised to pass the final state through).
         specialists: `num_specialists` decoder layers of the target family (input norm removed).
         draft_lm_head: only with `config.draft_vocab_size`: `Linear(H -> Vd)` over the draft vocabulary, whose
-            token ids in the target vocabulary are the `draft_to_target` buffer.
+            token ids in the target vocabulary are the `draft_to_target` buffer; `Linear(H -> R)` over its first
+            `R = config.draft_head_rows` tokens when that is set.
+        draft_head_map: only with `config.draft_head_rows < config.draft_vocab_size`: `Linear(H -> H + 1)`, the
+            rest of the draft vocabulary's logits: `E @ m[:H] + m[H]` for `m = draft_head_map(features)` and `E` the
+            target's `lm_head` rows of those tokens `[Vd - R, H]` (an affine map of the target's rows, applied to
+            the features instead).
         last_generation_stats: statistics of the latest `generate` call that used this drafter.
     """
 
@@ -127,11 +137,13 @@ class PosSDrafter(PosSPreTrainedModel):
             layer.input_layernorm = nn.Identity()
         self.rotary_emb = rotary_class(config=layer_config)
         self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        self.draft_lm_head = self.draft_head_map = None
         if config.draft_vocab_size is not None:
-            self.draft_lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+            self.draft_lm_head = nn.Linear(hidden, config.own_draft_head_rows, bias=False)
             self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size, dtype=torch.long))
+            if config.own_draft_head_rows < config.draft_vocab_size:
+                self.draft_head_map = nn.Linear(hidden, hidden + 1, bias=False)
         else:
-            self.draft_lm_head = None
             self.draft_to_target = None
         self._bound: dict[str, object] = {}
         self.last_generation_stats = None
@@ -246,7 +258,8 @@ class PosSDrafter(PosSPreTrainedModel):
             )
 
     def init_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """Set the draft vocabulary `[Vd]` (target ids) and copy the matching rows of the target's `lm_head`."""
+        """Set the draft vocabulary `[Vd]` (target ids), copy the matching rows of the target's `lm_head` into the
+        draft head and start `draft_head_map` as the identity: the draft logits are the target's over those tokens."""
         self._require_bound()
         ids = draft_to_target.to(device=self.fc.weight.device, dtype=torch.long)
         if self.draft_lm_head is None or ids.shape != (self.config.draft_vocab_size,):
@@ -254,7 +267,10 @@ class PosSDrafter(PosSPreTrainedModel):
         with torch.no_grad():
             self.draft_to_target.copy_(ids)
             weight = self._bound["lm_head"].weight
-            self.draft_lm_head.weight.copy_(weight[ids.to(weight.device)].to(self.draft_lm_head.weight))
+            own = ids[: self.config.own_draft_head_rows]
+            self.draft_lm_head.weight.copy_(weight[own.to(weight.device)].to(self.draft_lm_head.weight))
+        if self.draft_head_map is not None:
+            self._init_weights(self.draft_head_map)
 
     # ---- the pieces of a forward -------------------------------------------------------------------------------
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
@@ -329,6 +345,11 @@ class PosSDrafter(PosSPreTrainedModel):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits `[..., H] -> [..., V]` (target `lm_head`) or `[..., Vd]` with a draft vocabulary."""
+        if self.draft_head_map is not None:
+            mapped = self.draft_head_map(features)  # [..., H + 1]
+            rows = self.mapped_head_rows()  # [Vd - R, H]
+            mapped_logits = torch.matmul(mapped[..., :-1], rows.T) + mapped[..., -1:]
+            return torch.cat((self.draft_lm_head(features), mapped_logits), dim=-1)
         if self.draft_lm_head is not None:
             return self.draft_lm_head(features)
         self._require_bound()
@@ -338,6 +359,20 @@ class PosSDrafter(PosSPreTrainedModel):
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return logits.to(features.device)
+
+    def mapped_head_rows(self) -> torch.Tensor:
+        """The target's `lm_head` rows `[Vd - R, H]` of the draft tokens after the drafter's own `R` rows, on the
+        drafter's device and dtype (gathered once per target weight and draft vocabulary, then reused)."""
+        self._require_bound()
+        weight = self._bound["lm_head"].weight
+        ids = self.draft_to_target[self.config.own_draft_head_rows:]
+        key = (weight.data_ptr(), weight._version, ids.data_ptr(), self.draft_to_target._version,
+               self.fc.weight.device, self.fc.weight.dtype)
+        cached = self._bound.get("mapped_rows")
+        if cached is None or cached[0] != key:
+            rows = weight.detach()[ids.to(weight.device)].to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+            cached = self._bound["mapped_rows"] = (key, rows)
+        return cached[1]
 
     def to_target_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
         """Map indices into `logits(...)`'s last dimension to target token ids."""

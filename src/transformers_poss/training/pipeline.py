@@ -87,7 +87,7 @@ def build_drafter(args: TrainingArguments, target, token_examples=None) -> tuple
     torch.manual_seed(args.seed)
     drafter = PosSDrafter.from_target(
         target, num_specialists=args.num_specialists, positions_per_specialist=args.positions_per_specialist,
-        draft_vocab_size=args.draft_vocab_size, fc_bias=args.fc_bias, feature_layers=args.feature_layer_list(),
+        draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows, fc_bias=args.fc_bias, feature_layers=args.feature_layer_list(),
         specialist_intermediate_size=args.specialist_intermediate_size, tree_depth=args.tree_depth,
         tree_top_k=args.tree_top_k, tree_total_tokens=args.tree_total_tokens,
         target_name_or_path=args.target,
@@ -106,7 +106,8 @@ def build_drafter(args: TrainingArguments, target, token_examples=None) -> tuple
         grown_from = record.get("init_from", {}).get("draft_vocab_grown_from")
         source = ("init_from's, grown by the most frequent assistant tokens of the training split" if grown_from
                   else "init_from" if copied_vocab else "most frequent assistant tokens of the training split")
-        record["draft_vocab"] = {"size": args.draft_vocab_size, "from": source,
+        record["draft_vocab"] = {"size": args.draft_vocab_size, "own_head_rows": drafter.config.own_draft_head_rows,
+                                 "from": source,
                                  "coverage": draft_vocab_coverage(counts, drafter.draft_to_target.cpu())}
     return drafter, record
 

@@ -60,6 +60,9 @@ class TrainingArguments:
         "help": "unrolled training steps (default: num_specialists * positions_per_specialist, at least 3)"})
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "reduced draft vocabulary: the N most frequent assistant tokens of the training data"})
+    draft_head_rows: int | None = field(default=None, metadata={
+        "help": "store and train own head rows for only the first R draft tokens; the others read the target's "
+                "lm_head rows through a trained (H+1) x H map (default: all rows own)"})
     fc_bias: bool = field(default=True, metadata={"help": "bias in the input projection"})
     specialist_intermediate_size: int | None = field(default=None, metadata={
         "help": "MLP width of the specialist layers (default: the target's); wider than an --init-from drafter's "
@@ -162,8 +165,8 @@ def split_indices(n: int, val_fraction: float, val_max: int, seed: int) -> tuple
 def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: torch.Tensor | None = None) -> dict:
     """Initialise `drafter` from a trained drafter: its `fc`, and its layer `min(i, n_source - 1)` into specialist
     `i` (a single-specialist EAGLE/HASS drafter goes into every specialist); its draft vocabulary and head too when
-    both use one of the same size, or grown (`grow_draft_vocab`) when this drafter's is larger and `token_counts`
-    `[V]` of the training data are given; its `fuse` when both read the same target layers (otherwise `fuse` keeps its
+    both use one of the same size and layout (`draft_head_rows`), or grown (`grow_draft_vocab`) when this drafter's
+    is larger, the source's head stores all its rows and `token_counts` `[V]` of the training data are given; its `fuse` when both read the same target layers (otherwise `fuse` keeps its
     initialisation, which passes the final hidden state through, so a last-layer-only source starts a fused drafter
     exactly where it stands). Specialists wider than the source's (`specialist_intermediate_size`) get its MLP in
     their first units and zero output weights on the rest, so they too start computing what the source computes.
@@ -185,14 +188,19 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
             _load_widened_layer(layer, source.specialists[min(i, n_source - 1)])
         copied_vocab, grown_from = False, None
         if drafter.draft_lm_head is not None and source.draft_lm_head is not None:
-            mine_size, source_size = drafter.config.draft_vocab_size, source.config.draft_vocab_size
-            if mine_size == source_size:
+            mine, theirs = drafter.config, source.config
+            same_head = (mine.draft_vocab_size, mine.own_draft_head_rows) == (theirs.draft_vocab_size,
+                                                                               theirs.own_draft_head_rows)
+            if same_head:
                 drafter.draft_lm_head.load_state_dict(source.draft_lm_head.state_dict())
+                if drafter.draft_head_map is not None:
+                    drafter.draft_head_map.load_state_dict(source.draft_head_map.state_dict())
                 drafter.draft_to_target.copy_(source.draft_to_target)
-            elif mine_size > source_size and token_counts is not None:
+            elif (token_counts is not None and source.draft_head_map is None
+                  and mine.draft_vocab_size > theirs.draft_vocab_size):
                 grow_draft_vocab(drafter, source, token_counts)
-                grown_from = source_size
-            copied_vocab = mine_size == source_size or grown_from is not None
+                grown_from = theirs.draft_vocab_size
+            copied_vocab = same_head or grown_from is not None
         copied_fuse = (drafter.fuse is not None and source.fuse is not None
                        and drafter.config.input_feature_layers == source.config.input_feature_layers)
         if copied_fuse:
@@ -205,12 +213,14 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
 
 
 def grow_draft_vocab(drafter: PosSDrafter, source: PosSDrafter, token_counts: torch.Tensor) -> None:
-    """Give `drafter` (bound, draft vocabulary `Vd`) the source's smaller draft vocabulary `[Vs]` and trained head rows
-    first, then the `Vd - Vs` tokens most frequent in `token_counts` `[V]` (ties: lower id) that the source lacks.
+    """Give `drafter` (bound, draft vocabulary `Vd`) the source's smaller draft vocabulary `[Vs]` first, then the
+    `Vd - Vs` tokens most frequent in `token_counts` `[V]` (ties: lower id) that the source lacks.
 
     A trained head drifts from the target's `lm_head` rows it started from, so the new tokens' rows are the
-    target's rows `[Vd - Vs, H]` carried through the least-squares affine map that takes the source's tokens' target
-    rows to its trained rows. The source's logits over its own tokens are unchanged."""
+    target's rows carried through the least-squares affine map that takes the source's tokens' target rows to its
+    trained rows. The drafter's own head (its first `R = config.draft_head_rows` rows) gets the source's trained rows,
+    then such mapped rows; that map becomes `draft_head_map` for the tokens after `R`. With `R >= Vs` the source's
+    logits over its own tokens are unchanged; with `R < Vs` its tokens after `R` get mapped rows instead."""
     source_ids = source.draft_to_target.to(token_counts.device)
     rest = token_counts.clone()
     rest[source_ids] = -1
@@ -222,10 +232,13 @@ def grow_draft_vocab(drafter: PosSDrafter, source: PosSDrafter, token_counts: to
         return torch.cat((rows, torch.ones(len(rows), 1)), dim=1)
 
     affine = torch.linalg.lstsq(with_bias(target_rows[source_ids.cpu()]), source_rows).solution  # [H + 1, H]
-    new_rows = with_bias(target_rows[new_ids.cpu()]) @ affine
+    own = drafter.config.own_draft_head_rows
+    new_own_rows = with_bias(target_rows[new_ids[: max(own - len(source_ids), 0)].cpu()]) @ affine
     with torch.no_grad():
         drafter.draft_to_target.copy_(torch.cat((source_ids.cpu(), new_ids.cpu())))
-        drafter.draft_lm_head.weight.copy_(torch.cat((source_rows, new_rows)))
+        drafter.draft_lm_head.weight.copy_(torch.cat((source_rows[:own], new_own_rows)))
+        if drafter.draft_head_map is not None:  # rows @ A + c = logits E @ (A @ f) + c . f: the map's [A; c]
+            drafter.draft_head_map.weight.copy_(affine)
 
 
 def _load_widened_layer(layer: torch.nn.Module, source: torch.nn.Module) -> None:
