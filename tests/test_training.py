@@ -457,7 +457,7 @@ def make_trainer(target, tmp_path, examples, val=None, seed=0, **overrides):
     torch.manual_seed(seed)
     drafter = PosSDrafter.from_target(target, num_specialists=args.num_specialists,
                                       positions_per_specialist=args.positions_per_specialist,
-                                      draft_vocab_size=args.draft_vocab_size)
+                                      draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows)
     if args.draft_vocab_size:
         counts = count_token_frequencies(examples, 96)
         drafter.init_draft_vocab(top_token_ids(counts, args.draft_vocab_size))
@@ -465,11 +465,13 @@ def make_trainer(target, tmp_path, examples, val=None, seed=0, **overrides):
                        data_record={"source": "greedy continuations of a tiny target"})
 
 
-def test_training_lowers_the_loss_and_saves_a_record(tmp_path, fresh_accelerate):
+@pytest.mark.parametrize("draft_head_rows", [None, 16])
+def test_training_lowers_the_loss_and_saves_a_record(tmp_path, fresh_accelerate, draft_head_rows):
+    """Also with a draft head that stores 16 of its 64 rows and maps the rest (the map is trained and saved)."""
     target = tiny_target("llama")
     examples = greedy_examples(target, 8)
     trainer = make_trainer(target, tmp_path, examples, val=examples[:4], epochs=6, draft_vocab_size=64,
-                           mixed_precision="bf16")
+                           draft_head_rows=draft_head_rows, mixed_precision="bf16")
     before = trainer.evaluate()
     record = trainer.train()
     after = record["validation"]
@@ -488,6 +490,10 @@ def test_training_lowers_the_loss_and_saves_a_record(tmp_path, fresh_accelerate)
     assert reloaded.config.training_record["steps"] == 24
     assert reloaded.config.training_record["validation_position_accuracy"] == after["position_accuracy"]
     assert torch.equal(reloaded.draft_to_target, trainer.drafter.draft_to_target.cpu())
+    if draft_head_rows:
+        identity = torch.cat((torch.eye(64), torch.zeros(1, 64)))
+        assert saved["draft_lm_head.weight"].shape == (16, 64)
+        assert not torch.allclose(saved["draft_head_map.weight"].float(), identity, atol=1e-3)
     lines = [json.loads(line) for line in open(tmp_path / "train_log.jsonl")]
     assert any(line["event"] == "validation" for line in lines)
     assert all(len(line["position_accuracy"]) == 3 for line in lines)
