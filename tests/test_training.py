@@ -281,21 +281,28 @@ def test_widened_specialists_start_where_their_source_stands(tmp_path):
         PosSDrafter.from_target(target, specialist_intermediate_size=0)
 
 
+def affine_trained_source():
+    """A tiny target (vocabulary 200, hidden 64: the affine map has 65 unknowns per output) and an 80-token drafter
+    whose "training" moved its head rows by an affine map of the target's: rows = lm_head[ids] @ scale + shift.
+    Returns (target, source, source_ids, scale, shift, token counts with ties broken by the lower id)."""
+    target = tiny_target("llama", vocab_size=200)
+    torch.manual_seed(1)
+    source = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=80)
+    source_ids = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:80]
+    source.init_draft_vocab(source_ids)
+    scale, shift = torch.randn(64, 64) / 8, torch.randn(64)
+    with torch.no_grad():
+        source.draft_lm_head.weight.copy_(target.lm_head.weight.detach().cpu()[source_ids] @ scale + shift)
+    return target, source, source_ids, scale, shift, torch.arange(200, dtype=torch.long) % 37
+
+
 def test_grown_draft_vocabulary_keeps_the_trained_head_and_maps_the_new_rows():
     """Warm-starting into a larger draft vocabulary keeps the source's tokens and trained rows first (its logits over
     them unchanged), adds the most frequent tokens it lacks, and gives them the target's rows through the affine map
     that takes the source's target rows to its trained rows (exact here, where the trained rows are such a map);
     generation through the grown drafter stays lossless. Without token counts the vocabulary is not copied."""
-    target = tiny_target("llama", vocab_size=200)  # hidden 64: the affine map has 65 unknowns per output
-    torch.manual_seed(1)
-    source = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=80)
-    source_ids = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:80]
-    source.init_draft_vocab(source_ids)
+    target, source, source_ids, scale, shift, counts = affine_trained_source()
     lm_head = target.lm_head.weight.detach().cpu()
-    scale, shift = torch.randn(64, 64) / 8, torch.randn(64)
-    with torch.no_grad():  # "training" moved the head by an affine map of the target rows
-        source.draft_lm_head.weight.copy_(lm_head[source_ids] @ scale + shift)
-    counts = torch.arange(200, dtype=torch.long) % 37  # ties broken by the lower id
     grown = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120)
     info = warm_start(grown, source, token_counts=counts)
     assert info["draft_vocab_copied"] is True and info["draft_vocab_grown_from"] == 80
@@ -320,16 +327,8 @@ def test_draft_head_with_mapped_rows_grows_saves_and_trains(tmp_path):
     and the 30 mapped ones both equal the target's rows through the fitted affine map, so the logits over the mapped
     tokens are exact; it saves without those 30 rows, loads to the same logits, generates losslessly, and training
     moves the map. A fresh one drafts the target's own logits over its tokens."""
-    target = tiny_target("llama", vocab_size=200)
-    torch.manual_seed(1)
-    source = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=80)
-    source_ids = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:80]
-    source.init_draft_vocab(source_ids)
+    target, source, source_ids, scale, shift, counts = affine_trained_source()
     lm_head = target.lm_head.weight.detach().cpu()
-    scale, shift = torch.randn(64, 64) / 8, torch.randn(64)
-    with torch.no_grad():
-        source.draft_lm_head.weight.copy_(lm_head[source_ids] @ scale + shift)
-    counts = torch.arange(200, dtype=torch.long) % 37
     hybrid = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120,
                                      draft_head_rows=90)
     info = warm_start(hybrid, source, token_counts=counts)
