@@ -87,7 +87,8 @@ def build_drafter(args: TrainingArguments, target, token_examples=None) -> tuple
     torch.manual_seed(args.seed)
     drafter = PosSDrafter.from_target(
         target, num_specialists=args.num_specialists, positions_per_specialist=args.positions_per_specialist,
-        draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows, fc_bias=args.fc_bias, feature_layers=args.feature_layer_list(),
+        draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows, fc_bias=args.fc_bias,
+        feature_layers=args.feature_layer_list(),
         specialist_intermediate_size=args.specialist_intermediate_size, tree_depth=args.tree_depth,
         tree_top_k=args.tree_top_k, tree_total_tokens=args.tree_total_tokens,
         target_name_or_path=args.target,
