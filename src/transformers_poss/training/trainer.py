@@ -168,8 +168,9 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
     both use one of the same size and layout (`draft_head_rows`), or grown (`grow_draft_vocab`) when this drafter's
     is larger, the source's head stores all its rows and `token_counts` `[V]` of the training data are given; its
     `fuse` when both read the same target layers (otherwise `fuse` keeps its initialisation, which passes the final
-    hidden state through, so a last-layer-only source starts a fused drafter exactly where it stands). Specialists wider than the source's (`specialist_intermediate_size`) get its MLP in
-    their first units and zero output weights on the rest, so they too start computing what the source computes.
+    hidden state through, so a last-layer-only source starts a fused drafter exactly where it stands). Specialists
+    wider than the source's (`specialist_intermediate_size`) get its MLP in their first units and zero output weights
+    on the rest, so they too start computing what the source computes.
     Returns what was copied. Raises `ValueError` for drafters of another shape."""
     if isinstance(source, str):
         source = PosSDrafter.from_pretrained(source)
