@@ -83,6 +83,15 @@ def test_poss_tune_refuses_a_folder_without_a_drafter(tmp_path, capsys):
     assert "config.json missing" in capsys.readouterr().err
 
 
+def test_poss_tune_checks_the_prompt_selection_before_loading_anything(tmp_path, capsys):
+    prompts_file = tmp_path / "mt_bench.jsonl"
+    prompts_file.write_text('{"question_id": 1, "category": "writing", "turns": ["Hi"]}\n')
+    missing_target = str(tmp_path / "no-target")
+    assert poss_main(["tune", "default", "--target", missing_target, "--prompts", str(prompts_file),
+                      "--per-category", "0"]) == 2
+    assert "per_category must be >= 1" in capsys.readouterr().err
+
+
 def test_poss_tune_rejects_bad_lists():
     with pytest.raises(SystemExit):
         poss_main(["tune", "default", "--prompts", "x", "--top-k", "0,2"])

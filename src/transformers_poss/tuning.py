@@ -310,6 +310,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--target", default="default", help="'default', a model folder or a .gguf file")
     parser.add_argument("--prompts", required=True, help="calibration prompts: a .jsonl file, a folder or registry:NAME")
     parser.add_argument("--limit", type=int, default=2, help="questions per prompt set")
+    parser.add_argument("--per-category", type=int, default=None, metavar="N",
+                        help="the first N questions of each category of a prompt set, before --limit (as poss bench)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--top-k", type=_int_list, default=[1, 2, 4, 8], help="widths to calibrate (comma separated)")
     parser.add_argument("--max-depth", type=int, default=8)
@@ -342,7 +344,7 @@ def run_tune(args) -> int:
         print(f"poss tune: error: {folder} holds no drafter (config.json missing)", file=sys.stderr)
         return 2
     try:
-        prompt_sets = load_prompt_sets(args.prompts, limit=args.limit)
+        prompt_sets = load_prompt_sets(args.prompts, limit=args.limit, per_category=args.per_category)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"poss tune: error: {error}", file=sys.stderr)
         return 2
