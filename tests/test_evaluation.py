@@ -379,3 +379,58 @@ def test_poss_bench_needs_matplotlib_for_plots_before_loading(prompt_folder, mon
     assert bench_main(["--target", "default", "--prompts", str(prompt_folder)]) == 2
     err = capsys.readouterr().err
     assert "needs matplotlib" in err and "--no-plots" in err
+
+
+def _results_file(path, turns: dict[str, list[list[int]]], same_text: bool = True):
+    """A `poss bench` results file with per-turn acceptance records: `turns[method][i]` are turn i's rounds."""
+    rows = [{"dataset": "mt_bench", "question_id": str(i // 2), "turn": str(i % 2), "method": method,
+             "acceptance_lengths": rounds, "output_ids": [i] if same_text else [i, method]}
+            for method, per_turn in turns.items() for i, rounds in enumerate(per_turn)]
+    path.write_text(json.dumps({"prompts": rows}))
+    return path
+
+
+def test_compare_pools_runs_and_bounds_the_paired_difference(tmp_path):
+    from transformers_poss.evaluation.compare import compare, format_comparison, position_rates
+
+    better = [[2, 1, 0], [3, 2], [1, 1, 2], [2, 0]]
+    worse = [[1, 0, 0], [2, 1], [0, 1, 1], [1, 0]]
+    first = _results_file(tmp_path / "a.json", {"a-tree": better[:2], "b-tree": worse[:2]})
+    second = _results_file(tmp_path / "b.json", {"a-tree": better[2:], "b-tree": worse[2:]})
+    second.write_text(second.read_text().replace('"mt_bench"', '"mt_bench_2"'))  # other turns, pooled
+    result = compare([first, second], "a-tree", "b-tree", samples=300)
+    assert result["turns"] == 4 and result["depth"] == 3 and result["turns_with_different_answers"] == 0
+    pooled_a = position_rates([a for t in better for a in t], 3)
+    assert result["methods"]["a-tree"]["tau"] == pytest.approx(mean_acceptance_length([a for t in better for a in t]))
+    assert result["methods"]["a-tree"]["alpha"] == pytest.approx(pooled_a["alpha"])
+    tau = next(r for r in result["differences"] if r["measure"] == "tau")
+    assert tau["difference"] == pytest.approx(pooled_a["tau"] - result["methods"]["b-tree"]["tau"])
+    assert 0 < tau["low"] <= tau["difference"] <= tau["high"] and tau["share_above"] == 1.0  # A wins every turn
+    assert len(result["differences"]) == 1 + 2 * 3
+    table = format_comparison(result, "a-tree", "b-tree")
+    assert "| a-tree - b-tree |" in table and f"| tau | {tau['difference']:+.3f} |" in table
+
+    same = compare([_results_file(tmp_path / "s.json", {"a": better, "b": better}, same_text=False)], "a", "b",
+                   samples=200)
+    assert all(r["difference"] == 0 and r["share_above"] == 0 for r in same["differences"])
+    assert same["turns_with_different_answers"] == 4
+
+
+def test_compare_command_and_its_errors(tmp_path, capsys):
+    from transformers_poss.cli import main as poss_main
+
+    path = _results_file(tmp_path / "r.json", {"a": [[1, 2], [0]], "b": [[0, 0], [1]]})
+    out_json = tmp_path / "cmp.json"
+    assert poss_main(["compare", "a", "b", str(path), "--samples", "200", "--output-json", str(out_json)]) == 0
+    assert "2 paired turns" in capsys.readouterr().out and json.loads(out_json.read_text())["turns"] == 2
+    with pytest.raises(SystemExit, match="methods with records: a, b"):
+        poss_main(["compare", "a", "c", str(path)])
+    with pytest.raises(SystemExit, match="no such results file"):
+        poss_main(["compare", "a", "b", str(tmp_path / "missing.json")])
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="not a `poss bench` results file"):
+        poss_main(["compare", "a", "b", str(tmp_path / "bad.json")])
+    other = _results_file(tmp_path / "o.json", {"c": [[1]]})
+    other.write_text(other.read_text().replace('"mt_bench"', '"qa"'))
+    with pytest.raises(SystemExit, match="share no turn"):
+        poss_main(["compare", "a", "c", str(path), str(other)])

@@ -11,6 +11,7 @@ from pathlib import Path
 SUBCOMMAND_MODULES = (
     "transformers_poss.assets",
     "transformers_poss.evaluation.cli",
+    "transformers_poss.evaluation.compare",
     "transformers_poss.training.cli",
     "transformers_poss.hub",
     "transformers_poss.tuning",
