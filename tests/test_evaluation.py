@@ -381,12 +381,13 @@ def test_poss_bench_needs_matplotlib_for_plots_before_loading(prompt_folder, mon
     assert "needs matplotlib" in err and "--no-plots" in err
 
 
-def _results_file(path, turns: dict[str, list[list[int]]], same_text: bool = True):
+def _results_file(path, turns: dict[str, list[list[int]]], same_text: bool = True, depth: int | None = None):
     """A `poss bench` results file with per-turn acceptance records: `turns[method][i]` are turn i's rounds."""
     rows = [{"dataset": "mt_bench", "question_id": str(i // 2), "turn": str(i % 2), "method": method,
              "acceptance_lengths": rounds, "output_ids": [i] if same_text else [i, method]}
             for method, per_turn in turns.items() for i, rounds in enumerate(per_turn)]
-    path.write_text(json.dumps({"prompts": rows}))
+    methods = [{"name": method, "mode": "tree", "tree_depth": depth} for method in turns] if depth else []
+    path.write_text(json.dumps({"methods": methods, "prompts": rows}))
     return path
 
 
@@ -414,6 +415,8 @@ def test_compare_pools_runs_and_bounds_the_paired_difference(tmp_path):
                    samples=200)
     assert all(r["difference"] == 0 and r["share_above"] == 0 for r in same["differences"])
     assert same["turns_with_different_answers"] == 4
+    deeper = compare([_results_file(tmp_path / "d.json", {"a": better, "b": worse}, depth=5)], "a", "b", samples=100)
+    assert deeper["depth"] == 5 and len(deeper["methods"]["a"]["alpha"]) == 5  # the drafting depth, not the longest
 
 
 def test_compare_command_and_its_errors(tmp_path, capsys):

@@ -19,23 +19,29 @@ from ..metrics import mean_acceptance_length, position_acceptance
 TurnKey = tuple[str, str, str]
 
 
-def load_turns(paths: list[str | Path]) -> dict[str, dict[TurnKey, dict]]:
-    """`{method: {(dataset, question_id, turn): {"acceptance_lengths": [...], "output_ids": [...]}}}` of every turn
-    with acceptance records in the given `poss bench` results files."""
+def load_turns(paths: list[str | Path]) -> tuple[dict[str, dict[TurnKey, dict]], dict[str, int]]:
+    """`{method: {(dataset, question_id, turn): row}}` of every turn with acceptance records (the row's
+    `acceptance_lengths`, `output_ids`, ...) in the given `poss bench` results files, and `{method: tree_depth}` of
+    the methods whose records name their drafting depth."""
     turns: dict[str, dict[TurnKey, dict]] = {}
+    depths: dict[str, int] = {}
     for path in paths:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such results file (poss bench writes results.json)")
         try:
-            rows = json.loads(path.read_text())["prompts"]
+            data = json.loads(path.read_text())
+            rows = data["prompts"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{path} is not a `poss bench` results file with per-turn records") from error
         for row in rows:
             if row.get("acceptance_lengths"):
                 key = (str(row["dataset"]), str(row["question_id"]), str(row["turn"]))
                 turns.setdefault(row["method"], {})[key] = row
-    return turns
+        for method in data.get("methods", []):
+            if method.get("tree_depth"):
+                depths[method["name"]] = int(method["tree_depth"])
+    return turns, depths
 
 
 def position_rates(acceptance_lengths: list[int], depth: int) -> dict:
@@ -82,7 +88,7 @@ def paired_bootstrap(rounds_a: list[list[int]], rounds_b: list[list[int]], depth
 
 def compare(paths: list[str | Path], method_a: str, method_b: str, samples: int = 2000, seed: int = 0) -> dict:
     """Pooled per-position acceptance of both methods and their paired-bootstrap differences (see module doc)."""
-    turns = load_turns(paths)
+    turns, depths = load_turns(paths)
     for method in (method_a, method_b):
         if method not in turns:
             known = ", ".join(sorted(turns)) or "none"
@@ -93,8 +99,8 @@ def compare(paths: list[str | Path], method_a: str, method_b: str, samples: int 
         raise ValueError(f"{method_a!r} and {method_b!r} share no turn: benchmark both on the same prompts")
     rounds_a = [turns[method_a][k]["acceptance_lengths"] for k in keys]
     rounds_b = [turns[method_b][k]["acceptance_lengths"] for k in keys]
-    depth = max(max(r) for r in rounds_a + rounds_b)
-    depth = max(depth, 1)
+    # the drafting depth the records name, else the longest acceptance seen
+    depth = max(depths.get(method_a, 0), depths.get(method_b, 0), *(max(r) for r in rounds_a + rounds_b), 1)
     differing = sum(turns[method_a][k].get("output_ids") != turns[method_b][k].get("output_ids") for k in keys)
     return {
         "turns": len(keys), "turns_with_different_answers": differing, "depth": depth, "samples": samples,
