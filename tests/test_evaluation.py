@@ -392,7 +392,7 @@ def _results_file(path, turns: dict[str, list[list[int]]], same_text: bool = Tru
 
 
 def test_compare_pools_runs_and_bounds_the_paired_difference(tmp_path):
-    from transformers_poss.evaluation.compare import compare, format_comparison, position_rates
+    from transformers_poss.evaluation.compare import compare, format_comparison
 
     better = [[2, 1, 0], [3, 2], [1, 1, 2], [2, 0]]
     worse = [[1, 0, 0], [2, 1], [0, 1, 1], [1, 0]]
@@ -401,11 +401,11 @@ def test_compare_pools_runs_and_bounds_the_paired_difference(tmp_path):
     second.write_text(second.read_text().replace('"mt_bench"', '"mt_bench_2"'))  # other turns, pooled
     result = compare([first, second], "a-tree", "b-tree", samples=300)
     assert result["turns"] == 4 and result["depth"] == 3 and result["turns_with_different_answers"] == 0
-    pooled_a = position_rates([a for t in better for a in t], 3)
-    assert result["methods"]["a-tree"]["tau"] == pytest.approx(mean_acceptance_length([a for t in better for a in t]))
-    assert result["methods"]["a-tree"]["alpha"] == pytest.approx(pooled_a["alpha"])
+    pooled_a, pooled_b = [a for t in better for a in t], [a for t in worse for a in t]
+    assert result["methods"]["a-tree"]["tau"] == pytest.approx(mean_acceptance_length(pooled_a))
+    assert result["methods"]["a-tree"]["alpha"] == pytest.approx(position_acceptance(pooled_a, 3))
     tau = next(r for r in result["differences"] if r["measure"] == "tau")
-    assert tau["difference"] == pytest.approx(pooled_a["tau"] - result["methods"]["b-tree"]["tau"])
+    assert tau["difference"] == pytest.approx(mean_acceptance_length(pooled_a) - mean_acceptance_length(pooled_b))
     assert 0 < tau["low"] <= tau["difference"] <= tau["high"] and tau["share_above"] == 1.0  # A wins every turn
     assert len(result["differences"]) == 1 + 2 * 3
     table = format_comparison(result, "a-tree", "b-tree")

@@ -21,15 +21,20 @@ def mean_acceptance_length(acceptance_lengths: Sequence[int]) -> float:
     return sum(a + 1 for a in acceptance_lengths) / len(acceptance_lengths)
 
 
-def position_acceptance(acceptance_lengths: Sequence[int], depth: int | None = None) -> list[float]:
-    """[alpha_1, ..., alpha_depth]; depth defaults to the longest acceptance seen."""
+def rounds_accepting_at_least(acceptance_lengths: Sequence[int], depth: int) -> list[int]:
+    """[count of rounds with a >= p for p = 0..depth] (entry 0 counts every round)."""
     if any(a < 0 for a in acceptance_lengths):
         raise ValueError("acceptance lengths must be >= 0")
+    return [sum(1 for a in acceptance_lengths if a >= p) for p in range(depth + 1)]
+
+
+def position_acceptance_from_counts(at_least: Sequence[int]) -> list[float]:
+    """[alpha_1, ..., alpha_depth] from `rounds_accepting_at_least` counts (which add over sets of rounds)."""
+    return [at_least[p] / at_least[p - 1] if at_least[p - 1] else math.nan for p in range(1, len(at_least))]
+
+
+def position_acceptance(acceptance_lengths: Sequence[int], depth: int | None = None) -> list[float]:
+    """[alpha_1, ..., alpha_depth]; depth defaults to the longest acceptance seen."""
     if depth is None:
         depth = max(acceptance_lengths, default=0)
-    alphas = []
-    for p in range(1, depth + 1):
-        reached = sum(1 for a in acceptance_lengths if a >= p - 1)
-        accepted = sum(1 for a in acceptance_lengths if a >= p)
-        alphas.append(accepted / reached if reached else math.nan)
-    return alphas
+    return position_acceptance_from_counts(rounds_accepting_at_least(acceptance_lengths, depth))

@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from ..metrics import mean_acceptance_length, position_acceptance
+from ..metrics import position_acceptance_from_counts, rounds_accepting_at_least
 
 TurnKey = tuple[str, str, str]
 
@@ -44,12 +44,21 @@ def load_turns(paths: list[str | Path]) -> tuple[dict[str, dict[TurnKey, dict]],
     return turns, depths
 
 
-def position_rates(acceptance_lengths: list[int], depth: int) -> dict:
-    """tau, alpha_1..alpha_depth and P(accepted >= p) for p = 1..depth of a list of rounds' acceptance lengths."""
-    rounds = len(acceptance_lengths)
-    at_least = [sum(a >= p for a in acceptance_lengths) / rounds for p in range(1, depth + 1)]
-    return {"rounds": rounds, "tau": mean_acceptance_length(acceptance_lengths),
-            "alpha": position_acceptance(acceptance_lengths, depth), "at_least": at_least}
+def turn_counts(acceptance_lengths: list[int], depth: int) -> list[int]:
+    """One turn's rounds as addable counts: [accepted drafts in all, rounds with a >= 0, >= 1, ..., >= depth]."""
+    return [sum(acceptance_lengths), *rounds_accepting_at_least(acceptance_lengths, depth)]
+
+
+def rates_from_counts(counts: list[int]) -> dict:
+    """tau, alpha_1..alpha_depth and P(accepted >= p) for p = 1..depth from summed `turn_counts`."""
+    accepted, at_least = counts[0], counts[1:]
+    rounds = at_least[0]
+    return {"rounds": rounds, "tau": 1 + accepted / rounds,  # mean of (a + 1), as metrics.mean_acceptance_length
+            "alpha": position_acceptance_from_counts(at_least), "at_least": [c / rounds for c in at_least[1:]]}
+
+
+def _sum_counts(per_turn: list[list[int]], indices) -> list[int]:
+    return [sum(column) for column in zip(*(per_turn[i] for i in indices))]
 
 
 def _flat(rates: dict) -> list[float]:
@@ -66,10 +75,12 @@ def paired_bootstrap(rounds_a: list[list[int]], rounds_b: list[list[int]], depth
     """
     if len(rounds_a) != len(rounds_b) or not rounds_a:
         raise ValueError("paired_bootstrap needs the same, non-zero number of turns for both methods")
+    counts_a = [turn_counts(r, depth) for r in rounds_a]
+    counts_b = [turn_counts(r, depth) for r in rounds_b]
 
     def difference(indices):
-        a = position_rates([x for i in indices for x in rounds_a[i]], depth)
-        b = position_rates([x for i in indices for x in rounds_b[i]], depth)
+        a = rates_from_counts(_sum_counts(counts_a, indices))
+        b = rates_from_counts(_sum_counts(counts_b, indices))
         return [0.0 if x != x or y != y else x - y for x, y in zip(_flat(a), _flat(b))]  # x != x: NaN
 
     turns = range(len(rounds_a))
@@ -104,7 +115,7 @@ def compare(paths: list[str | Path], method_a: str, method_b: str, samples: int 
     differing = sum(turns[method_a][k].get("output_ids") != turns[method_b][k].get("output_ids") for k in keys)
     return {
         "turns": len(keys), "turns_with_different_answers": differing, "depth": depth, "samples": samples,
-        "methods": {m: position_rates([x for r in rs for x in r], depth)
+        "methods": {m: rates_from_counts(turn_counts([x for r in rs for x in r], depth))
                     for m, rs in ((method_a, rounds_a), (method_b, rounds_b))},
         "differences": paired_bootstrap(rounds_a, rounds_b, depth, samples, seed),
     }
