@@ -62,7 +62,9 @@ the original ShareGPT answers, which gained nothing (0.005-0.014 on the target's
 tokens: train on the target's own answers. Several feature folders train together: `--features plain_feats,distilled_feats`.
 After several rounds of new prompts, one pass over all their folders together at a third of the learning rate
 (1e-4 after 3e-4) raised held-out accuracy by 0.007-0.020 per position and depth-6 tau from 2.66 to 2.76
-(docs/benchmarks/cpu-fp32-all-rounds-d6-mt_bench), where a fourth round alone at that rate had added nothing.
+(docs/benchmarks/cpu-fp32-all-rounds-d6-mt_bench), where a fourth round alone at that rate had added nothing; a
+second such pass at half that rate (5e-5) left held-out top-1 accuracy flat, lowered the held-out losses and raised
+depth-6 tau by another 0.02-0.03, so judge a pass by tau or the held-out losses, not by top-1 accuracy alone.
 
 Without `--features`, `--data` trains with online features (the frozen target runs in the loop). The drafter is
 written with `save_pretrained` to `--output-dir` (embedding and `lm_head` are the target's and are not saved) at
