@@ -19,7 +19,8 @@ from transformers_poss.training import (
     self_distill, to_messages, top_token_ids, unrolled_allowed, unrolled_forward, warm_start,
 )
 from transformers_poss.training.cli import arguments_from_namespace, build_train_parser
-from transformers_poss.training.data import ExampleDataset, assistant_mask_method
+from transformers_poss.training.data import ExampleDataset, assistant_mask_method, collate
+from transformers_poss.training.features import target_features
 from transformers_poss.training.objective import check_trainable
 from transformers_poss.training.pipeline import build_drafter, prepare_datasets
 
@@ -480,6 +481,9 @@ def test_training_lowers_the_loss_and_saves_a_record(tmp_path, fresh_accelerate,
     assert record["steps"] == 24 and record["tokens"] == 6 * sum(len(e["input_ids"]) for e in examples)
     assert len(record["validation_position_accuracy"]) == 3 and record["wall_time_s"] > 0
     assert sum(after["position_accuracy"]) > sum(before["position_accuracy"])
+    assert after["top_k"] == 10 and len(after["position_top_k_accuracy"]) == 3
+    assert all(a <= k <= 1 for a, k in zip(after["position_accuracy"], after["position_top_k_accuracy"]))
+    assert sum(after["position_top_k_accuracy"]) > sum(after["position_accuracy"])
     # The saved drafter: safetensors without the target's embedding/lm_head, with its record.
     from safetensors.torch import load_file
 
@@ -730,6 +734,23 @@ def test_cli_arguments():
     assert top.parse_args(["train", "--output-dir", "x"]).func.__name__ == "run_train"
     assert top.parse_args(["features", "--target", "t", "--data", "d", "--output", "o"]).func.__name__ == \
         "run_features"
+
+
+def test_objective_counts_the_target_token_in_the_draft_top_k():
+    """`top_k_hits` with k = 1 is the top-1 count; it grows with k and reaches every position once k covers the
+    whole vocabulary (no draft vocabulary here)."""
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=1).bind_target(target)
+    batch = collate([{k: torch.tensor(v) for k, v in e.items()} for e in greedy_examples(target, 3)])
+    features, _ = target_features(target, batch["input_ids"], batch["attention_mask"])
+    outputs = {k: UnrolledObjective(drafter, 2, top_k=k)(batch["input_ids"], features, batch["loss_mask"])
+               for k in (1, 5, target.config.vocab_size)}
+    assert torch.equal(outputs[1].top_k_hits, outputs[1].correct)
+    assert (outputs[5].top_k_hits >= outputs[1].top_k_hits).all() and outputs[5].top_k_hits.sum() > outputs[1].correct.sum()
+    assert torch.equal(outputs[target.config.vocab_size].top_k_hits, outputs[1].count)
+    with pytest.raises(ValueError, match="top_k"):
+        UnrolledObjective(drafter, 2, top_k=0)
 
 
 def test_objective_rejects_unbound_drafter():

@@ -168,6 +168,8 @@ class ObjectiveOutput(ModelOutput):
         loss: scalar, sum over steps of `weight_j * (feature loss + soft_ce_weight * soft CE)`.
         feature_loss, soft_ce: `[depth]` per-step means.
         correct: `[depth]` positions where the draft top-1 equals the target's top-1 token.
+        top_k_hits: `[depth]` positions where the target's top-1 token is among the draft's `top_k` best (the
+            tree's expansion width): what a tree drafter can still accept when its top-1 is wrong.
         count: `[depth]` trained positions per step.
     """
 
@@ -175,6 +177,7 @@ class ObjectiveOutput(ModelOutput):
     feature_loss: torch.Tensor | None = None
     soft_ce: torch.Tensor | None = None
     correct: torch.Tensor | None = None
+    top_k_hits: torch.Tensor | None = None
     count: torch.Tensor | None = None
 
 
@@ -185,17 +188,20 @@ class UnrolledObjective(nn.Module):
     """
 
     def __init__(self, drafter: PosSDrafter, depth: int, soft_ce_weight: float = 0.1,
-                 step_weights: list[float] | None = None):
+                 step_weights: list[float] | None = None, top_k: int = 10):
         super().__init__()
         check_trainable(drafter, depth)
         if drafter.bound_target is None:
             raise ValueError("bind the drafter to its target before training (`drafter.bind_target(target)`)")
         if step_weights is not None and len(step_weights) != depth:
             raise ValueError(f"step_weights needs {depth} entries, got {len(step_weights)}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
         self.drafter = drafter
         self.depth = depth
         self.soft_ce_weight = soft_ce_weight
         self.step_weights = list(step_weights) if step_weights is not None else [1.0] * depth
+        self.top_k = top_k
 
     # ---- target side --------------------------------------------------------------------------------------------
     def _target_head(self) -> tuple[torch.Tensor, float | None]:
@@ -247,7 +253,7 @@ class UnrolledObjective(nn.Module):
             greedy = self.greedy_tokens(goal)
         device = goal.device
         total = torch.zeros((), device=device)
-        feature_losses, soft_ces, corrects, counts = [], [], [], []
+        feature_losses, soft_ces, corrects, top_k_hits, counts = [], [], [], [], []
         for step, predicted in enumerate(predictions):
             keep = cols >= step  # a committed context exists
             pred = predicted[rows[keep], cols[keep]]
@@ -258,6 +264,7 @@ class UnrolledObjective(nn.Module):
                 feature_losses.append(zero.detach().float())
                 soft_ces.append(zero.detach().float())
                 corrects.append(torch.zeros((), device=device))
+                top_k_hits.append(torch.zeros((), device=device))
                 counts.append(torch.zeros((), device=device))
                 continue
             feature_loss = F.smooth_l1_loss(pred.float(), goal[keep], reduction="none").mean(-1).mean()
@@ -267,12 +274,14 @@ class UnrolledObjective(nn.Module):
             with torch.no_grad():
                 top = drafter.to_target_ids(logits.argmax(-1))
                 corrects.append((top == greedy[keep]).sum().float())
+                best = drafter.to_target_ids(logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices)
+                top_k_hits.append((best == greedy[keep][:, None]).any(-1).sum().float())
             feature_losses.append(feature_loss.detach())
             soft_ces.append(soft_ce.detach())
             counts.append(torch.tensor(float(n), device=device))
         return ObjectiveOutput(
             loss=total, feature_loss=torch.stack(feature_losses), soft_ce=torch.stack(soft_ces),
-            correct=torch.stack(corrects), count=torch.stack(counts),
+            correct=torch.stack(corrects), top_k_hits=torch.stack(top_k_hits), count=torch.stack(counts),
         )
 
 

@@ -71,7 +71,9 @@ class TrainingArguments:
         "help": "target hidden states the drafter reads, comma separated output_hidden_states indices ending in -1 "
                 "(e.g. 3,16,-1: low, mid and final, fused; default: the final one only, or what --features holds)"})
     tree_depth: int = field(default=6, metadata={"help": "inference setting saved in config.json"})
-    tree_top_k: int = field(default=10, metadata={"help": "inference setting saved in config.json"})
+    tree_top_k: int = field(default=10, metadata={
+        "help": "inference setting saved in config.json; validation also reports how often the target's token is "
+                "among the drafter's top this many"})
     tree_total_tokens: int = field(default=60, metadata={"help": "inference setting saved in config.json"})
     init_from: str | None = field(default=None, metadata={
         "help": "warm start: a trained drafter whose fc and layer(s) initialise every specialist; a larger "
@@ -292,7 +294,7 @@ class PosSTrainer:
         target.requires_grad_(False).eval().to(acc.device)
         drafter.to(device=acc.device, dtype=torch.float32).bind_target(target, move=False)
         self.depth = args.unroll_depth()
-        objective = UnrolledObjective(drafter, self.depth, soft_ce_weight=args.soft_ce_weight)
+        objective = UnrolledObjective(drafter, self.depth, soft_ce_weight=args.soft_ce_weight, top_k=args.tree_top_k)
         optimizer = torch.optim.AdamW(objective.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                                       weight_decay=args.weight_decay)
         self.sampler = EpochSampler(len(train_dataset), seed=args.seed)
@@ -422,8 +424,9 @@ class PosSTrainer:
         self.state["validation"].append(result)
         if self.accelerator.is_main_process:
             accuracy = " ".join(f"{a:.3f}" for a in result["position_accuracy"])
+            top_k = " ".join(f"{a:.3f}" for a in result["position_top_k_accuracy"])
             print(f"epoch {self.state['epoch']} step {self.state['global_step']}: validation accuracy by draft "
-                  f"position [{accuracy}]", flush=True)
+                  f"position [{accuracy}], target token in the top {result['top_k']} [{top_k}]", flush=True)
             self._write_log({"event": "validation", **result})
 
     def _end_of_epoch(self) -> None:
@@ -487,12 +490,13 @@ class PosSTrainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Per-draft-position validation (no noise): top-1 agreement with the target's greedy token (a proxy of
-        acceptance alpha_p under teacher forcing), feature loss and soft CE. Exact across processes."""
+        acceptance alpha_p under teacher forcing), how often that token is among the drafter's `tree_top_k` best
+        (what a tree can still accept), feature loss and soft CE. Exact across processes."""
         acc = self.accelerator
         objective = self.objective
         was_training = objective.training
         objective.eval()
-        sums = torch.zeros(4, self.depth, dtype=torch.float64, device=acc.device)
+        sums = torch.zeros(5, self.depth, dtype=torch.float64, device=acc.device)
         if self.val_dataset is not None and len(self.val_dataset):
             indices = list(range(acc.process_index, len(self.val_dataset), acc.num_processes))
             subset = torch.utils.data.Subset(self.val_dataset, indices)
@@ -504,7 +508,7 @@ class PosSTrainer:
                     out = objective(**inputs)
                 count = out.count.double()
                 sums += torch.stack((out.correct.double(), count, out.feature_loss.double() * count,
-                                     out.soft_ce.double() * count))
+                                     out.soft_ce.double() * count, out.top_k_hits.double()))
         if acc.num_processes > 1:
             sums = acc.reduce(sums, reduction="sum")
         objective.train(was_training)
@@ -513,6 +517,7 @@ class PosSTrainer:
             "step": self.state["global_step"], "epoch": self.state["epoch"],
             "position_accuracy": (sums[0] / count).tolist(), "feature_loss": (sums[2] / count).tolist(),
             "soft_ce": (sums[3] / count).tolist(), "positions": sums[1].long().tolist(),
+            "position_top_k_accuracy": (sums[4] / count).tolist(), "top_k": objective.top_k,
             "examples": len(self.val_dataset) if self.val_dataset is not None else 0,
         }
 
