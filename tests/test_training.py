@@ -802,6 +802,8 @@ def test_command_line_end_to_end(tmp_path, fresh_accelerate):
     for run, steps in (("hass", 3), ("poss", 5)):
         logged = [json.loads(line) for line in open(tmp_path / run / "train_log.jsonl")]
         assert [r["step"] for r in logged if r["event"] == "validation"][-1] == steps
+        assert all(len(r["position_top_k_accuracy"]) == len(r["position_accuracy"]) and r["top_k"] == 10
+                   for r in logged if r["event"] == "validation")
     png = tmp_path / "curves.png"
     assert main(["plot-training", f"hass={tmp_path / 'hass'}", str(tmp_path / "poss"), "--output", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -36,14 +36,15 @@ def read_training_log(path: str | Path) -> tuple[list[dict], list[dict]]:
 
 
 def plot_training(runs: Mapping[str, str | Path], output: str | Path) -> Path:
-    """One PNG with three panels for the runs `{label: folder}`: training loss by step, training accuracy at the
-    first and last draft position by step, and validation accuracy by draft position (the last validation bold,
-    earlier ones faint). Every log is read before anything is drawn."""
+    """One PNG with four panels for the runs `{label: folder}`: training loss by step, training accuracy at the
+    first and last draft position by step, validation top-1 accuracy by draft position, and how often the target's
+    token is among the drafter's top k there (the last validation bold, earlier ones faint; logs written before
+    that metric existed leave the last panel empty). Every log is read before anything is drawn."""
     from ..plotting import pyplot
 
     logs = {label: read_training_log(folder) for label, folder in runs.items()}
     plt = pyplot()
-    fig, (loss_ax, train_ax, val_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (loss_ax, train_ax, val_ax, top_k_ax) = plt.subplots(1, 4, figsize=(20, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, (train, validation)) in enumerate(logs.items()):
         color = colors[i % len(colors)]
@@ -56,18 +57,26 @@ def plot_training(runs: Mapping[str, str | Path], output: str | Path) -> Path:
                               label=f"{label}, position {position + 1}")
         for j, record in enumerate(validation):
             last = j == len(validation) - 1
+            style = dict(marker="o", color=color, alpha=1.0 if last else 0.3, linewidth=2 if last else 1,
+                         label=f"{label}, step {record['step']}" if last else None)
             accuracy = record["position_accuracy"]
-            val_ax.plot(range(1, len(accuracy) + 1), accuracy, marker="o", color=color, alpha=1.0 if last else 0.3,
-                        linewidth=2 if last else 1, label=f"{label}, step {record['step']}" if last else None)
+            val_ax.plot(range(1, len(accuracy) + 1), accuracy, **style)
+            if "position_top_k_accuracy" in record:
+                top_k = record["position_top_k_accuracy"]
+                style["label"] = f"{label}, top {record['top_k']}, step {record['step']}" if last else None
+                top_k_ax.plot(range(1, len(top_k) + 1), top_k, **style)
     loss_ax.set(title="Training loss", xlabel="optimizer step", ylabel="loss")
     train_ax.set(title="Training accuracy (logging windows)", xlabel="optimizer step", ylabel="top-1 accuracy")
     val_ax.set(title="Validation accuracy by draft position", xlabel="draft position", ylabel="top-1 accuracy")
-    for ax in (loss_ax, train_ax, val_ax):
+    top_k_ax.set(title="Validation: target token in the draft top k", xlabel="draft position", ylabel="share")
+    for ax in (loss_ax, train_ax, val_ax, top_k_ax):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     if not any(validation for _, validation in logs.values()):
         val_ax.text(0.5, 0.5, "no validation logged", ha="center", va="center", transform=val_ax.transAxes)
+    if not top_k_ax.lines:
+        top_k_ax.text(0.5, 0.5, "no top-k validation logged", ha="center", va="center", transform=top_k_ax.transAxes)
     fig.tight_layout()
     output = Path(output).expanduser()
     output.parent.mkdir(parents=True, exist_ok=True)
