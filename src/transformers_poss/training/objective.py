@@ -272,10 +272,10 @@ class UnrolledObjective(nn.Module):
             soft_ce = -(target_probs[keep] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
             total = total + self.step_weights[step] * (feature_loss + self.soft_ce_weight * soft_ce)
             with torch.no_grad():
-                top = drafter.to_target_ids(logits.argmax(-1))
-                corrects.append((top == greedy[keep]).sum().float())
                 best = drafter.to_target_ids(logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices)
-                top_k_hits.append((best == greedy[keep][:, None]).any(-1).sum().float())
+                hits = best == greedy[keep][:, None]  # [n, k], best first
+                corrects.append(hits[:, 0].sum().float())
+                top_k_hits.append(hits.any(-1).sum().float())
             feature_losses.append(feature_loss.detach())
             soft_ces.append(soft_ce.detach())
             counts.append(torch.tensor(float(n), device=device))
