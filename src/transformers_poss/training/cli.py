@@ -10,7 +10,8 @@ import types
 import typing
 from pathlib import Path
 
-from .trainer import TrainingArguments
+from ..assets import DTYPES
+from .arguments import TrainingArguments
 
 
 def _flag(name: str) -> str:
@@ -55,7 +56,7 @@ def run_train(namespace: argparse.Namespace) -> int:
     from accelerate import PartialState
 
     args = arguments_from_namespace(namespace)
-    _, record = run_training(args)
+    record = run_training(args).training_record
     if PartialState().is_main_process:
         print(json.dumps({"output_dir": args.output_dir, "steps": record["steps"], "tokens": record["tokens"],
                           "validation_position_accuracy": record["validation_position_accuracy"]}, indent=2))
@@ -65,11 +66,10 @@ def run_train(namespace: argparse.Namespace) -> int:
 def _target_tokenizer_records(namespace: argparse.Namespace):
     """The frozen target, its tokenizer and the conversations named by `poss features` / `poss distill` options."""
     from .data import load_records
-    from .pipeline import load_target, load_tokenizer
+    from .pipeline import load_target_and_tokenizer
 
-    target = load_target(namespace.target, namespace.target_gguf_file, namespace.target_dtype, namespace.device)
-    tokenizer = load_tokenizer(namespace.tokenizer or namespace.target,
-                               None if namespace.tokenizer else namespace.target_gguf_file)
+    target, tokenizer = load_target_and_tokenizer(namespace.target, namespace.tokenizer, namespace.target_dtype,
+                                                  namespace.device)
     return target, tokenizer, load_records(namespace.data, split=namespace.data_split, limit=namespace.limit)
 
 
@@ -139,10 +139,11 @@ def run_plot_training(namespace: argparse.Namespace) -> int:
 
 
 def _target_and_data(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model folder or Hub id")
-    parser.add_argument("--target-gguf-file", default=None, help="GGUF file name inside --target")
+    parser.add_argument("--target", required=True,
+                        help="the target: a model folder, a .gguf file, or 'default' (SmolLM2-135M-Instruct)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer (default: the target's)")
-    parser.add_argument("--target-dtype", default="bfloat16", help="target dtype (default: bfloat16)")
+    parser.add_argument("--target-dtype", default="bfloat16", choices=list(DTYPES),
+                        help="target dtype (default: bfloat16)")
     parser.add_argument("--device", default=None, help="device of the target (default: cpu)")
     parser.add_argument("--data", required=True, help="conversations: .json/.jsonl, save_to_disk folder, datasets id")
     parser.add_argument("--data-split", default="train")

@@ -1,5 +1,5 @@
 """Training conversations: loading (ShareGPT files, truncated JSON arrays, `datasets`), chat formatting with a loss
-mask over assistant tokens, draft-vocabulary token counts, and batching.
+mask over assistant tokens, the train/validation split, and batching.
 
 Loss mask. Two ways, chosen per tokenizer by `assistant_mask_method`:
 
@@ -261,35 +261,14 @@ def build_examples(
     return examples, stats
 
 
-# ---- draft vocabulary ----------------------------------------------------------------------------------------
-def count_token_frequencies(examples: Iterable[dict], vocab_size: int, assistant_only: bool = True) -> torch.Tensor:
-    """Token counts `[vocab_size]` (int64) over examples' `input_ids` (only loss-masked tokens by default)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for example in examples:
-        ids = torch.as_tensor(example["input_ids"], dtype=torch.long)
-        if assistant_only:
-            ids = ids[torch.as_tensor(example["loss_mask"], dtype=torch.bool)]
-        if ids.numel() and int(ids.max()) >= vocab_size:
-            raise ValueError(f"token id {int(ids.max())} is outside the vocabulary of size {vocab_size}")
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts
+# ---- splitting and batching ----------------------------------------------------------------------------------
+def split_indices(n: int, val_fraction: float, val_max: int, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded (train, validation) index split of `n` examples; at least one training example."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 7)).tolist()
+    n_val = min(int(round(n * val_fraction)), val_max, n - 1) if val_fraction > 0 else 0
+    return sorted(order[n_val:]), sorted(order[:n_val])
 
 
-def top_token_ids(counts: torch.Tensor, size: int) -> torch.LongTensor:
-    """The `size` most frequent token ids `[size]`, most frequent first (ties: lower id first)."""
-    if not 1 <= size <= counts.numel():
-        raise ValueError(f"draft vocabulary size must be in [1, {counts.numel()}], got {size}")
-    order = torch.sort(counts, descending=True, stable=True).indices
-    return order[:size].clone()
-
-
-def draft_vocab_coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
-    """Fraction of counted tokens inside the draft vocabulary `ids`."""
-    total = int(counts.sum())
-    return float(counts[ids].sum()) / total if total else float("nan")
-
-
-# ---- batching -----------------------------------------------------------------------------------------------
 class ExampleDataset(torch.utils.data.Dataset):
     """Tokenized examples (online target features): items `{"input_ids": [L], "loss_mask": [L]}`."""
 
@@ -298,6 +277,10 @@ class ExampleDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def token_examples(self) -> Iterator[dict]:
+        """Iterate the `{"input_ids", "loss_mask"}` examples (for token counts, as `FeatureDataset` does)."""
+        return iter(self.examples)
 
     def __getitem__(self, index: int) -> dict:
         example = self.examples[index]

@@ -119,8 +119,7 @@ def check_trainable(drafter: PosSDrafter, depth: int) -> None:
 
 def unrolled_forward(
     drafter: PosSDrafter, input_ids: torch.LongTensor, features: torch.Tensor, depth: int,
-    return_inputs: bool = False,
-) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+) -> list[torch.Tensor]:
     """Predicted features of each unroll step.
 
     Args:
@@ -128,7 +127,6 @@ def unrolled_forward(
         features: `[B, L, nH]` target features (`drafter.target_features`) used as step-0 inputs (noised in
             training).
         depth: unroll steps (inference draft positions 1 .. depth).
-        return_inputs: also return the layer inputs of every input set (`depth` tensors `[B, T, H]`).
     Returns:
         `depth` tensors `[B, T, H]` (`T = L - 1`); entry `j` at position `t` predicts `f_{t+1}` as draft position
         `j + 1` of a round with committed context `0 .. t - j` (meaningful for `t >= j`).
@@ -157,7 +155,7 @@ def unrolled_forward(
         mask = additive_mask(unrolled_allowed(length, step, layer_inputs.device), layer_inputs.dtype)
         predictions.append(drafter.run_specialist(specialist, layer_inputs, positions, mask, cache=store))
         store.sets += 1
-    return (predictions, sets) if return_inputs else predictions
+    return predictions
 
 
 @dataclass
@@ -165,7 +163,7 @@ class ObjectiveOutput(ModelOutput):
     """Loss and per-step metrics of one batch (metrics are detached sums, for exact aggregation).
 
     Attributes:
-        loss: scalar, sum over steps of `weight_j * (feature loss + soft_ce_weight * soft CE)`.
+        loss: scalar, sum over steps of `feature loss + soft_ce_weight * soft CE`.
         feature_loss, soft_ce: `[depth]` per-step means.
         correct: `[depth]` positions where the draft top-1 equals the target's top-1 token.
         top_k_hits: `[depth]` positions where the target's top-1 token is among the draft's `top_k` best (the
@@ -187,20 +185,16 @@ class UnrolledObjective(nn.Module):
     The target (embedding, `lm_head`) stays outside the module: it is bound to the drafter, frozen, not saved.
     """
 
-    def __init__(self, drafter: PosSDrafter, depth: int, soft_ce_weight: float = 0.1,
-                 step_weights: list[float] | None = None, top_k: int = 10):
+    def __init__(self, drafter: PosSDrafter, depth: int, soft_ce_weight: float = 0.1, top_k: int = 10):
         super().__init__()
         check_trainable(drafter, depth)
         if drafter.bound_target is None:
             raise ValueError("bind the drafter to its target before training (`drafter.bind_target(target)`)")
-        if step_weights is not None and len(step_weights) != depth:
-            raise ValueError(f"step_weights needs {depth} entries, got {len(step_weights)}")
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
         self.drafter = drafter
         self.depth = depth
         self.soft_ce_weight = soft_ce_weight
-        self.step_weights = list(step_weights) if step_weights is not None else [1.0] * depth
         self.top_k = top_k
 
     # ---- target side --------------------------------------------------------------------------------------------
@@ -230,8 +224,8 @@ class UnrolledObjective(nn.Module):
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.LongTensor, features: torch.Tensor, loss_mask: torch.Tensor,
-                input_features: torch.Tensor | None = None, target_argmax: torch.LongTensor | None = None,
-                **unused) -> ObjectiveOutput:
+                input_features: torch.Tensor | None = None,
+                target_argmax: torch.LongTensor | None = None) -> ObjectiveOutput:
         """
         Args:
             input_ids: `[B, L]`; features: `[B, L, nH]` clean target features (`drafter.target_features`; the
@@ -270,7 +264,7 @@ class UnrolledObjective(nn.Module):
             feature_loss = F.smooth_l1_loss(pred.float(), goal[keep], reduction="none").mean(-1).mean()
             logits = drafter.logits(pred).float()
             soft_ce = -(target_probs[keep] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-            total = total + self.step_weights[step] * (feature_loss + self.soft_ce_weight * soft_ce)
+            total = total + feature_loss + self.soft_ce_weight * soft_ce
             with torch.no_grad():
                 best = drafter.to_target_ids(logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices)
                 hits = best == greedy[keep][:, None]  # [n, k], best first

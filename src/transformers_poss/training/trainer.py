@@ -18,252 +18,18 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from ..modeling_poss import PosSDrafter
-from .data import EpochSampler, collate, top_token_ids
-from .features import parse_feature_layers, target_features
+from .arguments import TrainingArguments
+from .data import EpochSampler, collate
+from .features import target_features
 from .objective import UnrolledObjective, feature_noise
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
 TRAIN_LOG_NAME = "train_log.jsonl"  # one JSON record per line: "train" windows and "validation" results
-
-
-@dataclass
-class TrainingArguments:
-    """Everything `poss train` / `examples/train_poss.py` accept (one flag per field, `--field-name`)."""
-
-    output_dir: str = field(metadata={"help": "where the drafter, checkpoints and logs go"})
-    target: str | None = field(default=None, metadata={"help": "target model folder or Hub id"})
-    target_gguf_file: str | None = field(default=None, metadata={"help": "GGUF file name inside --target"})
-    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer (default: the target's)"})
-    target_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the frozen target"})
-    data: str | None = field(default=None, metadata={
-        "help": "conversations: .json/.jsonl (ShareGPT or messages; truncated JSON arrays are fine), a save_to_disk "
-                "folder or a datasets id (online target features)"})
-    data_split: str = field(default="train", metadata={"help": "split of a datasets source"})
-    features: str | None = field(default=None, metadata={
-        "help": "feature folder from `poss features` (offline); several, comma separated, train on all of them"})
-    limit: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
-    max_length: int = field(default=2048, metadata={"help": "tokens per conversation (longer ones are cut)"})
-    val_features: str | None = field(default=None, metadata={
-        "help": "feature folder(s) held out whole for validation, comma separated (then every --features example "
-                "trains; default: a seeded split of --val-fraction / --val-max-examples)"})
-    val_fraction: float = field(default=0.02, metadata={"help": "held-out fraction of examples"})
-    val_max_examples: int = field(default=500, metadata={"help": "at most this many held-out examples"})
-    num_specialists: int = field(default=1, metadata={"help": "position specialists (decoder layers)"})
-    positions_per_specialist: int = field(default=1, metadata={"help": "draft positions per specialist (PosS-k)"})
-    depth: int | None = field(default=None, metadata={
-        "help": "unrolled training steps (default: num_specialists * positions_per_specialist, at least 3)"})
-    draft_vocab_size: int | None = field(default=None, metadata={
-        "help": "reduced draft vocabulary: the N most frequent assistant tokens of the training data"})
-    draft_head_rows: int | None = field(default=None, metadata={
-        "help": "store and train own head rows for only the first R draft tokens; the others read the target's "
-                "lm_head rows through a trained (H+1) x H map (default: all rows own)"})
-    fc_bias: bool = field(default=True, metadata={"help": "bias in the input projection"})
-    specialist_intermediate_size: int | None = field(default=None, metadata={
-        "help": "MLP width of the specialist layers (default: the target's); wider than an --init-from drafter's "
-                "widens it, starting from what it computes"})
-    feature_layers: str | None = field(default=None, metadata={
-        "help": "target hidden states the drafter reads, comma separated output_hidden_states indices ending in -1 "
-                "(e.g. 3,16,-1: low, mid and final, fused; default: the final one only, or what --features holds)"})
-    tree_depth: int = field(default=6, metadata={"help": "inference setting saved in config.json"})
-    tree_top_k: int = field(default=10, metadata={
-        "help": "inference setting saved in config.json; validation also reports how often the target's token is "
-                "among the drafter's top this many"})
-    tree_total_tokens: int = field(default=60, metadata={"help": "inference setting saved in config.json"})
-    init_from: str | None = field(default=None, metadata={
-        "help": "warm start: a trained drafter whose fc and layer(s) initialise every specialist; a larger "
-                "--draft-vocab-size grows its draft vocabulary (its tokens and head kept, the training data's most "
-                "frequent others added)"})
-    epochs: int = field(default=1, metadata={"help": "passes over the training examples"})
-    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
-    batch_size: int = field(default=4, metadata={"help": "sequences per device per micro-batch"})
-    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    lr: float = field(default=3e-5, metadata={"help": "AdamW learning rate"})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    warmup_steps: int | None = field(default=None, metadata={"help": "linear warmup steps (default: warmup_ratio)"})
-    warmup_ratio: float = field(default=0.03, metadata={"help": "warmup as a fraction of all steps"})
-    grad_clip_value: float = field(default=0.5, metadata={"help": "clip gradients by value (0: off)"})
-    soft_ce_weight: float = field(default=0.1, metadata={"help": "weight of the soft cross-entropy"})
-    noise: float = field(default=0.2, metadata={"help": "input feature noise (U-0.5)*noise*512/len (0: off)"})
-    mixed_precision: str = field(default="bf16", metadata={"help": "accelerate mixed precision: no, bf16, fp16"})
-    save_steps: int = field(default=500, metadata={"help": "checkpoint every N optimizer steps (0: epoch ends)"})
-    save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
-    save_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the saved drafter weights"})
-    log_steps: int = field(default=10, metadata={"help": "log every N optimizer steps"})
-    resume: str | None = field(default=None, metadata={
-        "help": "'latest', a checkpoint folder, or 'auto' (latest when there is one, else a fresh start)"})
-    seed: int = field(default=0, metadata={"help": "seed of initialisation, order, noise and split"})
-    num_workers: int = field(default=0, metadata={"help": "data loader workers"})
-    progress: bool = field(default=True, metadata={"help": "tqdm progress bars"})
-
-    def feature_folders(self) -> list[str]:
-        """The `--features` folders, in order."""
-        return _folder_list(self.features)
-
-    def val_feature_folders(self) -> list[str]:
-        """The `--val-features` folders, in order."""
-        return _folder_list(self.val_features)
-
-    def feature_layer_list(self) -> list[int] | None:
-        """`--feature-layers` as integers (None when not given)."""
-        return None if self.feature_layers is None else parse_feature_layers(self.feature_layers)
-
-    def unroll_depth(self) -> int:
-        return self.depth if self.depth is not None else max(self.num_specialists * self.positions_per_specialist, 3)
-
-    def check(self) -> None:
-        """Raise `ValueError` on settings that cannot train, before any work."""
-        if (self.data is None) == (self.features is None):
-            raise ValueError("give exactly one of --data (conversations, online features) or --features (offline)")
-        if self.val_features is not None and self.features is None:
-            raise ValueError("--val-features needs --features (offline features); with --data the validation "
-                             "examples are a split of the data")
-        both = sorted(set(self.feature_folders()) & set(self.val_feature_folders()))
-        if both:
-            raise ValueError(f"{', '.join(both)} is in --features and --val-features: validation must be held out")
-        if self.target is None:
-            raise ValueError("--target is needed (its embedding and lm_head, and features when online)")
-        positive = {"max_length": self.max_length, "num_specialists": self.num_specialists,
-                    "positions_per_specialist": self.positions_per_specialist, "epochs": self.epochs,
-                    "batch_size": self.batch_size, "grad_accum": self.grad_accum, "log_steps": self.log_steps,
-                    "depth": self.unroll_depth(), "save_total_limit": self.save_total_limit}
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.lr <= 0 or self.noise < 0 or self.grad_clip_value < 0 or self.soft_ce_weight < 0:
-            raise ValueError("--lr must be > 0 and --noise, --grad-clip-value, --soft-ce-weight >= 0")
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise ValueError(f"--mixed-precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError("--max-steps must be >= 1")
-        self.feature_layer_list()  # raises on a malformed --feature-layers
-
-
-def _folder_list(value: str | None) -> list[str]:
-    return [part.strip() for part in (value or "").split(",") if part.strip()]
-
-
-def has_checkpoint(output_dir: str) -> bool:
-    """Whether `output_dir` holds a trainer checkpoint to resume."""
-    return os.path.exists(os.path.join(output_dir, CHECKPOINTS, "latest"))
-
-
-def split_indices(n: int, val_fraction: float, val_max: int, seed: int) -> tuple[list[int], list[int]]:
-    """Seeded (train, validation) index split; at least one training example."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 7)).tolist()
-    n_val = min(int(round(n * val_fraction)), val_max, n - 1) if val_fraction > 0 else 0
-    return sorted(order[n_val:]), sorted(order[:n_val])
-
-
-def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: torch.Tensor | None = None) -> dict:
-    """Initialise `drafter` from a trained drafter: its `fc`, and its layer `min(i, n_source - 1)` into specialist
-    `i` (a single-specialist EAGLE/HASS drafter goes into every specialist); its draft vocabulary and head too when
-    both use one of the same size and layout (`draft_head_rows`), or grown (`grow_draft_vocab`) when this drafter's
-    is larger, the source's head stores all its rows and `token_counts` `[V]` of the training data are given; its
-    `fuse` when both read the same target layers (otherwise `fuse` keeps its initialisation, which passes the final
-    hidden state through, so a last-layer-only source starts a fused drafter exactly where it stands). Specialists
-    wider than the source's (`specialist_intermediate_size`) get its MLP in their first units and zero output weights
-    on the rest, so they too start computing what the source computes.
-    Returns what was copied. Raises `ValueError` for drafters of another shape."""
-    if isinstance(source, str):
-        source = PosSDrafter.from_pretrained(source)
-    mine, theirs = drafter.config.target_config, source.config.target_config
-    for key in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "vocab_size"):
-        if mine.get(key) != theirs.get(key):
-            raise ValueError(f"cannot warm start: the source drafter has {key}={theirs.get(key)!r}, "
-                             f"this one {mine.get(key)!r}")
-    if drafter.config.fc_bias != source.config.fc_bias:
-        raise ValueError("cannot warm start: fc_bias differs between the drafters")
-    with torch.no_grad():
-        drafter.fc.load_state_dict(source.fc.state_dict())
-        n_source = len(source.specialists)
-        for i, layer in enumerate(drafter.specialists):
-            _load_widened_layer(layer, source.specialists[min(i, n_source - 1)])
-        copied_vocab, grown_from = False, None
-        if drafter.draft_lm_head is not None and source.draft_lm_head is not None:
-            mine, theirs = drafter.config, source.config
-            same_head = (mine.draft_vocab_size, mine.own_draft_head_rows) == (theirs.draft_vocab_size,
-                                                                               theirs.own_draft_head_rows)
-            if same_head:
-                drafter.draft_lm_head.load_state_dict(source.draft_lm_head.state_dict())
-                if drafter.draft_head_map is not None:
-                    drafter.draft_head_map.load_state_dict(source.draft_head_map.state_dict())
-                drafter.draft_to_target.copy_(source.draft_to_target)
-            elif (token_counts is not None and source.draft_head_map is None
-                  and mine.draft_vocab_size > theirs.draft_vocab_size):
-                grow_draft_vocab(drafter, source, token_counts)
-                grown_from = theirs.draft_vocab_size
-            copied_vocab = same_head or grown_from is not None
-        copied_fuse = (drafter.fuse is not None and source.fuse is not None
-                       and drafter.config.input_feature_layers == source.config.input_feature_layers)
-        if copied_fuse:
-            drafter.fuse.load_state_dict(source.fuse.state_dict())
-    return {"source": source.config.name_or_path or "in-memory drafter", "source_specialists": n_source,
-            "draft_vocab_copied": copied_vocab, "draft_vocab_grown_from": grown_from,
-            "fuse_copied": copied_fuse,
-            "source_feature_layers": source.config.input_feature_layers,
-            "source_intermediate_size": source.specialists[0].mlp.gate_proj.out_features}
-
-
-def grow_draft_vocab(drafter: PosSDrafter, source: PosSDrafter, token_counts: torch.Tensor) -> None:
-    """Give `drafter` (bound, draft vocabulary `Vd`) the source's smaller draft vocabulary `[Vs]` first, then the
-    `Vd - Vs` tokens most frequent in `token_counts` `[V]` (ties: lower id) that the source lacks.
-
-    A trained head drifts from the target's `lm_head` rows it started from, so the new tokens' rows are the
-    target's rows carried through the least-squares affine map that takes the source's tokens' target rows to its
-    trained rows. The drafter's own head (its first `R = config.draft_head_rows` rows) gets the source's trained rows,
-    then such mapped rows; that map becomes `draft_head_map` for the tokens after `R`. With `R >= Vs` the source's
-    logits over its own tokens are unchanged; with `R < Vs` its tokens after `R` get mapped rows instead."""
-    source_ids = source.draft_to_target.to(token_counts.device)
-    rest = token_counts.clone()
-    rest[source_ids] = -1
-    new_ids = top_token_ids(rest, drafter.config.draft_vocab_size - len(source_ids))
-    target_rows = drafter.bound_target.get_output_embeddings().weight.detach().float().cpu()
-    source_rows = source.draft_lm_head.weight.detach().float().cpu()
-
-    def with_bias(rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat((rows, torch.ones(len(rows), 1)), dim=1)
-
-    affine = torch.linalg.lstsq(with_bias(target_rows[source_ids.cpu()]), source_rows).solution  # [H + 1, H]
-    own = drafter.config.own_draft_head_rows
-    new_own_rows = with_bias(target_rows[new_ids[: max(own - len(source_ids), 0)].cpu()]) @ affine
-    with torch.no_grad():
-        drafter.draft_to_target.copy_(torch.cat((source_ids.cpu(), new_ids.cpu())))
-        drafter.draft_lm_head.weight.copy_(torch.cat((source_rows[:own], new_own_rows)))
-        if drafter.draft_head_map is not None:  # rows @ A + c = logits E @ (A @ f) + c . f: the map's [A; c]
-            drafter.draft_head_map.weight.copy_(affine)
-
-
-def _load_widened_layer(layer: torch.nn.Module, source: torch.nn.Module) -> None:
-    """Copy decoder layer `source` into `layer`, whose MLP may be wider (`[I, H]` gate/up and `[H, I]` down against
-    the source's `I_s <= I`): the source's units go first and the extra units' down-projection columns are zeroed,
-    so the extra units add nothing until training moves them."""
-    mine, theirs = layer.state_dict(), source.state_dict()
-    width, source_width = layer.mlp.gate_proj.out_features, source.mlp.gate_proj.out_features
-    if source_width > width:
-        raise ValueError(f"cannot warm start: the source drafter's specialists are wider ({source_width} MLP units) "
-                         f"than this one's ({width})")
-    if source_width == width:
-        layer.load_state_dict(theirs)
-        return
-    for name, value in theirs.items():
-        if name.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
-            mine[name][:source_width] = value
-        elif name == "mlp.down_proj.weight":
-            mine[name][:, :source_width] = value
-            mine[name][:, source_width:] = 0
-        else:
-            mine[name].copy_(value)
 
 
 class PosSTrainer:
@@ -273,12 +39,13 @@ class PosSTrainer:
         args: `TrainingArguments`.
         drafter: a `PosSDrafter` bound to its (frozen) target.
         train_dataset / val_dataset: torch datasets of items as `ExampleDataset` or `FeatureDataset` yield.
-        data_record: description of the data, stored in `config.training_record["data"]`.
+        data_record: description of the data, stored in `drafter.training_record["data"]`.
         accelerator: an `accelerate.Accelerator` (built from `args` when None).
+        init_record: how the drafter was initialised (`build_drafter`'s record), merged into its training record.
     """
 
     def __init__(self, args: TrainingArguments, drafter: PosSDrafter, train_dataset, val_dataset=None,
-                 data_record: dict | None = None, accelerator=None, extra_record: dict | None = None):
+                 data_record: dict | None = None, accelerator=None, init_record: dict | None = None):
         from accelerate import Accelerator
         from transformers import get_linear_schedule_with_warmup
 
@@ -312,7 +79,7 @@ class PosSTrainer:
         self.scheduler = acc.prepare(scheduler)
         self.val_dataset = val_dataset
         self.data_record = data_record or {}
-        self.extra_record = extra_record or {}
+        self.init_record = init_record or {}
         self.state = {"epoch": 0, "batch_in_epoch": 0, "global_step": 0, "tokens": 0, "loss_tokens": 0,
                       "wall_time_s": 0.0, "validation": [], "finished": False, "seed": args.seed}
         self._session_start = time.time()
@@ -350,8 +117,8 @@ class PosSTrainer:
 
     # ---- training -------------------------------------------------------------------------------------------------
     def train(self) -> dict:
-        """Run (or continue) training; returns the training record. Saves the drafter to `output_dir` at every
-        epoch end and at the end."""
+        """Run (or continue) training; returns the training record (also `drafter.training_record`). Saves the
+        drafter to `output_dir` at every epoch end and at the end."""
         args, acc = self.args, self.accelerator
         os.makedirs(args.output_dir, exist_ok=True)
         self._install_signal_handlers()
@@ -413,7 +180,8 @@ class PosSTrainer:
             self._restore_signal_handlers()
             if bar is not None:
                 bar.close()
-        return self.training_record()
+        self.drafter.training_record = self.training_record()
+        return self.drafter.training_record
 
     def _done(self) -> bool:
         return self.args.max_steps is not None and self.state["global_step"] >= self.args.max_steps
@@ -524,10 +292,9 @@ class PosSTrainer:
     # ---- records, saving, resuming ----------------------------------------------------------------------------
     def training_record(self) -> dict:
         args, acc = self.args, self.accelerator
-        config = self.drafter.config
         validation = self.state["validation"][-1] if self.state["validation"] else None
         return {
-            "target": args.target or config.target_name_or_path,
+            "target": self.drafter.config.target_name_or_path or args.target,
             "data": self.data_record,
             "features": f"offline: {args.features}" if args.features else "online (frozen target in the loop)",
             "objective": {"name": "training-time test (HASS/PosS unrolled)", "depth": self.depth,
@@ -547,18 +314,18 @@ class PosSTrainer:
             "wall_time_s": round(self._wall_time(), 1),
             "validation_position_accuracy": validation["position_accuracy"] if validation else None,
             "validation": validation,
-            **self.extra_record,
+            **self.init_record,
         }
 
     def _wall_time(self) -> float:
         return self.state["wall_time_s"] + (time.time() - self._session_start)
 
     def save_drafter(self, path: str) -> None:
-        """`save_pretrained` (safetensors, `save_dtype`) with `config.training_record`; main process only."""
+        """`save_pretrained` (safetensors, `save_dtype`) with `drafter.training_record`; main process only."""
         acc = self.accelerator
         acc.wait_for_everyone()
         drafter = self.drafter
-        drafter.config.training_record = self.training_record()
+        drafter.training_record = self.training_record()
         if acc.is_main_process:
             dtype = getattr(torch, self.args.save_dtype)
             state = {k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu())
@@ -586,12 +353,16 @@ class PosSTrainer:
         acc.wait_for_everyone()
         return path
 
-    def resume(self, checkpoint: str = "latest") -> str:
-        """Load a checkpoint (`"latest"` or a folder) written by `save_checkpoint`; training continues exactly."""
-        if checkpoint == "latest":
+    def resume(self, checkpoint: str = "latest") -> str | None:
+        """Load a checkpoint written by `save_checkpoint`: a folder, `"latest"`, or `"auto"` (the latest when there
+        is one, else none: a fresh start that the same command resumes later); training continues exactly.
+        Returns the folder loaded (None when `"auto"` found none)."""
+        if checkpoint in ("latest", "auto"):
             root = os.path.join(self.args.output_dir, CHECKPOINTS)
             latest = os.path.join(root, "latest")
             if not os.path.exists(latest):
+                if checkpoint == "auto":
+                    return None
                 raise ValueError(f"no checkpoint to resume in {root}")
             with open(latest) as handle:
                 checkpoint = os.path.join(root, handle.read().strip())

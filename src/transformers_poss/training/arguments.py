@@ -1,0 +1,131 @@
+"""`TrainingArguments`: the settings of a training run (one `poss train` flag per field) and their checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..assets import DTYPES
+from .features import parse_feature_layers
+
+
+@dataclass
+class TrainingArguments:
+    """Everything `poss train` / `examples/train_poss.py` accept (one flag per field, `--field-name`)."""
+
+    output_dir: str = field(metadata={"help": "where the drafter, checkpoints and logs go"})
+    target: str | None = field(default=None, metadata={
+        "help": "the target: a model folder, a .gguf file, or 'default' (SmolLM2-135M-Instruct)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer (default: the target's)"})
+    target_dtype: str = field(default="bfloat16", metadata={
+        "help": f"dtype of the frozen target: {', '.join(DTYPES)} (auto: bfloat16 where the hardware computes it)"})
+    data: str | None = field(default=None, metadata={
+        "help": "conversations: .json/.jsonl (ShareGPT or messages; truncated JSON arrays are fine), a save_to_disk "
+                "folder or a datasets id (online target features)"})
+    data_split: str = field(default="train", metadata={"help": "split of a datasets source"})
+    features: str | None = field(default=None, metadata={
+        "help": "feature folder from `poss features` (offline); several, comma separated, train on all of them"})
+    limit: int | None = field(default=None, metadata={"help": "use at most this many conversations"})
+    max_length: int = field(default=2048, metadata={"help": "tokens per conversation (longer ones are cut)"})
+    val_features: str | None = field(default=None, metadata={
+        "help": "feature folder(s) held out whole for validation, comma separated (then every --features example "
+                "trains; default: a seeded split of --val-fraction / --val-max-examples)"})
+    val_fraction: float = field(default=0.02, metadata={"help": "held-out fraction of examples"})
+    val_max_examples: int = field(default=500, metadata={"help": "at most this many held-out examples"})
+    num_specialists: int = field(default=1, metadata={"help": "position specialists (decoder layers)"})
+    positions_per_specialist: int = field(default=1, metadata={"help": "draft positions per specialist (PosS-k)"})
+    depth: int | None = field(default=None, metadata={
+        "help": "unrolled training steps (default: num_specialists * positions_per_specialist, at least 3)"})
+    draft_vocab_size: int | None = field(default=None, metadata={
+        "help": "reduced draft vocabulary: the N most frequent assistant tokens of the training data"})
+    draft_head_rows: int | None = field(default=None, metadata={
+        "help": "store and train own head rows for only the first R draft tokens; the others read the target's "
+                "lm_head rows through a trained (H+1) x H map (default: all rows own)"})
+    fc_bias: bool = field(default=True, metadata={"help": "bias in the input projection"})
+    feature_layers: str | None = field(default=None, metadata={
+        "help": "target hidden states the drafter reads, comma separated output_hidden_states indices ending in -1 "
+                "(e.g. 3,16,-1: low, mid and final, fused; default: the final one only, or what --features holds)"})
+    tree_depth: int = field(default=6, metadata={"help": "drafting budget saved in generation_config.json"})
+    tree_top_k: int = field(default=10, metadata={
+        "help": "drafting budget saved in generation_config.json; validation also reports how often the target's "
+                "token is among the drafter's top this many"})
+    tree_total_tokens: int = field(default=60, metadata={"help": "drafting budget saved in generation_config.json"})
+    init_from: str | None = field(default=None, metadata={
+        "help": "warm start: a trained drafter whose fc and layer(s) initialise every specialist; a larger "
+                "--draft-vocab-size grows its draft vocabulary (its tokens and head kept, the training data's most "
+                "frequent others added)"})
+    epochs: int = field(default=1, metadata={"help": "passes over the training examples"})
+    max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per device per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=3e-5, metadata={"help": "AdamW learning rate"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    warmup_steps: int | None = field(default=None, metadata={"help": "linear warmup steps (default: warmup_ratio)"})
+    warmup_ratio: float = field(default=0.03, metadata={"help": "warmup as a fraction of all steps"})
+    grad_clip_value: float = field(default=0.5, metadata={"help": "clip gradients by value (0: off)"})
+    soft_ce_weight: float = field(default=0.1, metadata={"help": "weight of the soft cross-entropy"})
+    noise: float = field(default=0.2, metadata={"help": "input feature noise (U-0.5)*noise*512/len (0: off)"})
+    mixed_precision: str = field(default="bf16", metadata={"help": "accelerate mixed precision: no, bf16, fp16"})
+    save_steps: int = field(default=500, metadata={"help": "checkpoint every N optimizer steps (0: epoch ends)"})
+    save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
+    save_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the saved drafter weights"})
+    log_steps: int = field(default=10, metadata={"help": "log every N optimizer steps"})
+    resume: str | None = field(default=None, metadata={
+        "help": "'latest', a checkpoint folder, or 'auto' (latest when there is one, else a fresh start)"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation, order, noise and split"})
+    num_workers: int = field(default=0, metadata={"help": "data loader workers"})
+    progress: bool = field(default=True, metadata={"help": "tqdm progress bars"})
+
+    def feature_folders(self) -> list[str]:
+        """The `--features` folders, in order."""
+        return _folder_list(self.features)
+
+    def val_feature_folders(self) -> list[str]:
+        """The `--val-features` folders, in order."""
+        return _folder_list(self.val_features)
+
+    def feature_layer_list(self) -> list[int] | None:
+        """`--feature-layers` as integers (None when not given)."""
+        return None if self.feature_layers is None else parse_feature_layers(self.feature_layers)
+
+    def unroll_depth(self) -> int:
+        """`--depth`, or its default: every specialist's positions, at least 3."""
+        return self.depth if self.depth is not None else max(self.num_specialists * self.positions_per_specialist, 3)
+
+    def check(self) -> None:
+        """Raise `ValueError` on settings that cannot train, before any work."""
+        if (self.data is None) == (self.features is None):
+            raise ValueError("give exactly one of --data (conversations, online features) or --features (offline)")
+        if self.val_features is not None and self.features is None:
+            raise ValueError("--val-features needs --features (offline features); with --data the validation "
+                             "examples are a split of the data")
+        both = sorted(set(self.feature_folders()) & set(self.val_feature_folders()))
+        if both:
+            raise ValueError(f"{', '.join(both)} is in --features and --val-features: validation must be held out")
+        if self.target is None:
+            raise ValueError("--target is needed (its embedding and lm_head, and features when online)")
+        positive = {"max_length": self.max_length, "num_specialists": self.num_specialists,
+                    "positions_per_specialist": self.positions_per_specialist, "epochs": self.epochs,
+                    "batch_size": self.batch_size, "grad_accum": self.grad_accum, "log_steps": self.log_steps,
+                    "depth": self.unroll_depth(), "save_total_limit": self.save_total_limit,
+                    "tree_depth": self.tree_depth, "tree_top_k": self.tree_top_k,
+                    "tree_total_tokens": self.tree_total_tokens}
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.lr <= 0 or self.noise < 0 or self.grad_clip_value < 0 or self.soft_ce_weight < 0:
+            raise ValueError("--lr must be > 0 and --noise, --grad-clip-value, --soft-ce-weight >= 0")
+        if self.target_dtype not in DTYPES:
+            raise ValueError(f"--target-dtype must be one of {', '.join(DTYPES)}, got {self.target_dtype!r}")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"--mixed-precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("--max-steps must be >= 1")
+        self.feature_layer_list()  # raises on a malformed --feature-layers
+
+
+def _folder_list(value: str | None) -> list[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
