@@ -68,13 +68,14 @@ def test_default_target_is_the_chat_model(target_and_tokenizer, prompts_and_refe
 
 
 def _check_identity(target, drafter, mode, prompts, references) -> float:
-    drafter.config.draft_mode = mode
+    drafter.generation_config.draft_mode = mode
     lengths = []
     for prompt, reference in zip(prompts, references):
         with torch.no_grad():
-            out = target.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, assistant_model=drafter)
-        assert torch.equal(out, reference), f"{mode}: speculative output differs from plain greedy"
-        lengths += drafter.last_generation_stats.acceptance_lengths
+            out = target.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, assistant_model=drafter,
+                                  return_dict_in_generate=True)
+        assert torch.equal(out.sequences, reference), f"{mode}: speculative output differs from plain greedy"
+        lengths += out.speculative_stats.acceptance_lengths
     return mean_acceptance_length(lengths)
 
 

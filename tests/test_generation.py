@@ -10,23 +10,24 @@ from tiny_models import FAMILIES, fitted_drafter, prompts, tiny_target
 
 
 def _generate_both(target, drafter, prompt, **kwargs):
+    """(plain sequences, speculative sequences, the speculative call's `GenerationStats`)."""
     reference = target.generate(prompt, do_sample=False, **kwargs)
-    speculative = target.generate(prompt, do_sample=False, assistant_model=drafter, **kwargs)
-    return reference, speculative
+    out = target.generate(prompt, do_sample=False, assistant_model=drafter, return_dict_in_generate=True, **kwargs)
+    return reference, out.sequences, out.speculative_stats
 
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identity_and_acceptance_paths(fitted_pairs, family, mode):
     target, drafter = fitted_pairs(family)
-    drafter.config.draft_mode = mode
+    drafter.generation_config.draft_mode = mode
     seen = []
     for prompt in prompts(count=4):  # the drafter was fitted on the first three only
         for max_new_tokens in (1, 30):
-            reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=max_new_tokens)
+            reference, speculative, stats = _generate_both(target, drafter, prompt, max_new_tokens=max_new_tokens)
             assert torch.equal(reference, speculative), (family, mode, max_new_tokens)
-            seen += drafter.last_generation_stats.acceptance_lengths
-    depth = drafter.config.tree_depth
+            seen += stats.acceptance_lengths
+    depth = drafter.generation_config.tree_depth
     assert 0 in seen, "no round rejected every draft"
     assert any(0 < a < depth for a in seen), "no round accepted some drafts"
     assert depth in seen, "no round accepted all drafts"
@@ -40,38 +41,36 @@ def test_greedy_identity_and_acceptance_paths(fitted_pairs, family, mode):
 )
 def test_tree_budgets_and_attention_implementations(fitted_pairs, attn, budget):
     target, drafter = fitted_pairs("llama", attn)
-    drafter = copy.deepcopy(drafter)
-    drafter.config.draft_mode = "tree"
-    for name, value in budget.items():  # budgets change on a loaded drafter between calls
-        setattr(drafter.config, name, value)
+    before = drafter.generation_config.budget
+    view = drafter.with_generation_config(draft_mode="tree", **budget)  # a budget for these calls only
     for prompt in prompts(count=2):
-        reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=25)
+        reference, speculative, stats = _generate_both(target, view, prompt, max_new_tokens=25)
         assert torch.equal(reference, speculative)
-        stats = drafter.last_generation_stats
         assert stats.tree_depth == budget["tree_depth"]
         assert max(stats.tree_sizes) <= budget["tree_total_tokens"]
         assert max(stats.acceptance_lengths) <= budget["tree_depth"]
+    assert drafter.generation_config.budget == before  # the shared drafter's own settings are untouched
 
 
 @pytest.mark.parametrize("mode,lookup_tokens", [("tree", 0), ("chain", 0), ("tree", 6)])
 def test_eos_inside_accepted_drafts_and_max_length(fitted_pairs, mode, lookup_tokens):
     target, drafter = fitted_pairs("llama")
     drafter = copy.deepcopy(drafter)
-    drafter.config.draft_mode, drafter.config.lookup_num_tokens = mode, lookup_tokens
+    drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = mode, lookup_tokens
     prompt = prompts()[0]
     if lookup_tokens:  # a prompt the lookup branch can copy from
         prompt = torch.cat((prompt, prompt), dim=1)
     free_run = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:]
     stopped_mid_round = False
     for eos in dict.fromkeys(free_run[3:20].tolist()):  # several EOS choices; some fall inside accepted paths
-        reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=30, eos_token_id=eos)
+        reference, speculative, stats = _generate_both(target, drafter, prompt, max_new_tokens=30, eos_token_id=eos)
         assert torch.equal(reference, speculative)
         assert speculative[0, -1].item() == eos
-        rounds = drafter.last_generation_stats.acceptance_lengths  # none when the prefill's token is the EOS
+        rounds = stats.acceptance_lengths  # none when the prefill's token is the EOS
         stopped_mid_round |= bool(rounds) and rounds[-1] > 0
     assert stopped_mid_round
     for extra in (1, 2, 5, 13):
-        reference, speculative = _generate_both(target, drafter, prompt, max_length=prompt.shape[1] + extra)
+        reference, speculative, stats = _generate_both(target, drafter, prompt, max_length=prompt.shape[1] + extra)
         assert torch.equal(reference, speculative) and speculative.shape[1] == prompt.shape[1] + extra
 
 
@@ -79,7 +78,7 @@ def test_eos_inside_accepted_drafts_and_max_length(fitted_pairs, mode, lookup_to
 def test_several_eos_ids_and_logits_processors(fitted_pairs, lookup_tokens):
     target, drafter = fitted_pairs("qwen2")
     drafter = copy.deepcopy(drafter)
-    drafter.config.draft_mode, drafter.config.lookup_num_tokens = "tree", lookup_tokens
+    drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = "tree", lookup_tokens
     prompt = prompts()[1]
     if lookup_tokens:  # grafted nodes get their own prefixes through the logits processors
         prompt = torch.cat((prompt, prompt), dim=1)
@@ -87,7 +86,7 @@ def test_several_eos_ids_and_logits_processors(fitted_pairs, lookup_tokens):
     eos_ids = [free_run[9], free_run[15]]
     for kwargs in (dict(eos_token_id=eos_ids), dict(repetition_penalty=1.5), dict(min_new_tokens=12, eos_token_id=eos_ids),
                    dict(no_repeat_ngram_size=2)):
-        reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=30, **kwargs)
+        reference, speculative, stats = _generate_both(target, drafter, prompt, max_new_tokens=30, **kwargs)
         assert torch.equal(reference, speculative), kwargs
 
 
@@ -106,20 +105,21 @@ class _RecordingStreamer(BaseStreamer):
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 def test_streamer_gets_exactly_the_returned_tokens(fitted_pairs, mode):
     target, drafter = fitted_pairs("mistral")
-    drafter.config.draft_mode = mode
+    drafter.generation_config.draft_mode = mode
     prompt = prompts()[2]
     streamer = _RecordingStreamer()
-    out = target.generate(prompt, do_sample=False, max_new_tokens=21, assistant_model=drafter, streamer=streamer)
+    out = target.generate(prompt, do_sample=False, max_new_tokens=21, assistant_model=drafter, streamer=streamer,
+                          return_dict_in_generate=True)
     assert streamer.ended
     assert streamer.chunks[0] == prompt[0].tolist()
     streamed = [token for chunk in streamer.chunks[1:] for token in chunk]
-    assert streamed == out[0, prompt.shape[1]:].tolist()
-    assert drafter.last_generation_stats.new_tokens == len(streamed)
+    assert streamed == out.sequences[0, prompt.shape[1]:].tolist()
+    assert out.speculative_stats.new_tokens == len(streamed)
 
 
 def test_return_dict_with_scores_matches_plain_generate(fitted_pairs):
     target, drafter = fitted_pairs("llama")
-    drafter.config.draft_mode = "tree"
+    drafter.generation_config.draft_mode = "tree"
     prompt = prompts()[0]
     kwargs = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_scores=True,
                   output_logits=True, repetition_penalty=1.2)
@@ -140,14 +140,14 @@ def test_stop_strings_stop_without_extra_tokens(fitted_pairs):
     from transformers import PreTrainedTokenizerFast
 
     target, drafter = fitted_pairs("llama")
-    drafter.config.draft_mode = "tree"
+    drafter.generation_config.draft_mode = "tree"
     backend = Tokenizer(models.BPE({c: i for i, c in enumerate(string.printable[:96])}, [], unk_token=None))
     backend.decoder = decoders.Fuse()  # one character per token
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
     prompt = prompts()[0]
     free_run = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:].tolist()
     stop = tokenizer.decode(free_run[12:14])
-    reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=30, stop_strings=[stop],
+    reference, speculative, stats = _generate_both(target, drafter, prompt, max_new_tokens=30, stop_strings=[stop],
                                             tokenizer=tokenizer)
     assert torch.equal(reference, speculative)
     text = tokenizer.decode(speculative[0, prompt.shape[1]:])
@@ -163,7 +163,7 @@ def test_peft_wrapped_target(fitted_pairs):
                                                             init_lora_weights=False))
     target.eval()
     for mode in ("tree", "chain"):
-        drafter.config.draft_mode = mode
+        drafter.generation_config.draft_mode = mode
         for prompt in prompts(count=2):
             reference = target.generate(input_ids=prompt, do_sample=False, max_new_tokens=20)
             speculative = target.generate(input_ids=prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter)
@@ -184,7 +184,7 @@ def test_drafter_follows_target_dtype(fitted_pairs):
     target, drafter = fitted_pairs("llama")
     target_bf16 = copy.deepcopy(target).to(torch.bfloat16)
     drafter = copy.deepcopy(drafter)
-    drafter.config.draft_mode = "tree"
+    drafter.generation_config.draft_mode = "tree"
     assert drafter.fc.weight.dtype == torch.float32
     target_bf16.generate(prompts()[0], do_sample=False, max_new_tokens=5, assistant_model=drafter)
     assert drafter.fc.weight.dtype == torch.bfloat16
@@ -200,9 +200,10 @@ def _lm_head_rows_per_run(target, drafter):
         for prompt in prompts(count=3):
             reference = target.generate(prompt, do_sample=False, max_new_tokens=30)
             rows.clear()
-            speculative = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=drafter)
-            assert torch.equal(reference, speculative)
-            yield list(rows), drafter.last_generation_stats
+            out = target.generate(prompt, do_sample=False, max_new_tokens=30, assistant_model=drafter,
+                                  return_dict_in_generate=True)
+            assert torch.equal(reference, out.sequences)
+            yield list(rows), out.speculative_stats
     finally:
         hook.remove()
 
@@ -284,16 +285,15 @@ def test_graft_branch_follows_matching_nodes_and_appends_the_rest():
 def test_greedy_identity_with_the_lookup_branch(fitted_pairs, family):
     target, drafter = fitted_pairs(family)
     drafter = copy.deepcopy(drafter)
-    drafter.config.draft_mode, drafter.config.lookup_num_tokens = "tree", 6
+    drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = "tree", 6
     lookup_accepted = 0
     for prompt in prompts(count=4):
         repetitive = torch.cat((prompt, prompt, prompt), dim=1)  # gives the lookup matches to copy
         for ids in (prompt, repetitive):
-            reference, speculative = _generate_both(target, drafter, ids, max_new_tokens=40)
+            reference, speculative, stats = _generate_both(target, drafter, ids, max_new_tokens=40)
             assert torch.equal(reference, speculative), family
-            stats = drafter.last_generation_stats
             lookup_accepted += stats.lookup_tokens
-            assert max(stats.tree_sizes) <= drafter.config.tree_total_tokens + 6
+            assert max(stats.tree_sizes) <= drafter.generation_config.tree_total_tokens + 6
     assert lookup_accepted > 0, "no token came from the lookup branch: the test would not exercise it"
 
 
@@ -304,11 +304,11 @@ def test_greedy_identity_with_fused_target_layers(fitted_pairs, family, mode):
     states it was fitted on: it accepts about as much as the last-layer drafter (1.6-3.4 tokens a round; a drafter
     fed other features accepts almost nothing)."""
     target, drafter = fitted_pairs(family, feature_layers=(1, -1))
-    drafter.config.draft_mode = mode
+    drafter.generation_config.draft_mode = mode
     assert drafter.fuse is not None and drafter.fuse.weight.shape == (64, 128)
     seen = []
     for prompt in prompts(count=3):
-        reference, speculative = _generate_both(target, drafter, prompt, max_new_tokens=30)
+        reference, speculative, stats = _generate_both(target, drafter, prompt, max_new_tokens=30)
         assert torch.equal(reference, speculative), (family, mode)
-        seen += drafter.last_generation_stats.acceptance_lengths
+        seen += stats.acceptance_lengths
     assert sum(seen) / len(seen) >= 1.2, seen

@@ -46,8 +46,8 @@ def _benchmark():
 # ---- cards --------------------------------------------------------------------------------------------------------
 def test_card_metadata_and_model_index_round_trip(target):
     drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=3,
-                                      target_name_or_path="org/tiny-target",
-                                      training_record={"data": "sharegpt 68k", "steps": 1200, "tokens": 345678})
+                                      target_name_or_path="org/tiny-target")
+    drafter.training_record = {"data": "sharegpt 68k", "steps": 1200, "tokens": 345678}
     text = str(hub.render_card(drafter, _benchmark(), model_id="me/tiny-poss", license="mit"))
     meta = _front_matter(text)
     assert meta["library_name"] == "transformers-poss"
@@ -128,6 +128,7 @@ def test_card_usage_snippet_runs_as_written(target, tmp_path, monkeypatch, capsy
                                       target_name_or_path="tiny-target", tree_depth=3, tree_top_k=2,
                                       tree_total_tokens=6)
     drafter.save_pretrained(drafter_dir)
+    hub.write_card(drafter, drafter_dir)
     monkeypatch.chdir(tmp_path)  # the card names both models the way a user would, relative to here
     card = (drafter_dir / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
@@ -138,13 +139,16 @@ def test_card_usage_snippet_runs_as_written(target, tmp_path, monkeypatch, capsy
     assert tau >= 1.0
 
 
-def test_save_pretrained_writes_card_once_and_never_overwrites(target, tmp_path):
+def test_write_card_writes_once_and_never_overwrites(target, tmp_path):
     drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2)
     drafter.save_pretrained(tmp_path)
+    assert not (tmp_path / "README.md").exists()  # saving (training checkpoints too) renders no card
+    assert hub.write_card(tmp_path, tmp_path) == tmp_path / "README.md"  # from the folder alone
     card = (tmp_path / "README.md").read_text()
     assert _front_matter(card)["library_name"] == "transformers-poss"
     (tmp_path / "README.md").write_text("my own notes\n")
     drafter.save_pretrained(tmp_path)
+    assert hub.write_card(drafter, tmp_path) is None
     assert (tmp_path / "README.md").read_text() == "my own notes\n"
     loaded = PosSDrafter.from_pretrained(tmp_path)
     for key, value in drafter.state_dict().items():
@@ -153,7 +157,6 @@ def test_save_pretrained_writes_card_once_and_never_overwrites(target, tmp_path)
 
 def test_card_cli_writes_refuses_and_prints(target, tmp_path, capsys):
     PosSDrafter.from_target(target, target_name_or_path="org/t").save_pretrained(tmp_path)
-    (tmp_path / "README.md").unlink()
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps(_benchmark()))
     assert cli.main(["card", str(tmp_path), "--benchmark", str(bench), "--model-id", "me/x"]) == 0
@@ -339,7 +342,7 @@ def test_research_checkpoint_converts_and_drafts_like_the_original(target, tmp_p
     drafter = PosSDrafter.from_pretrained(tmp_path / "research", **settings).bind_target(target)
     assert drafter.config.num_specialists == layers and drafter.config.fc_bias == bias
     assert drafter.config.positions_per_specialist == settings.get("positions_per_specialist", 1)
-    assert drafter.config.training_record["converted_from"] == str(tmp_path / "research")
+    assert drafter.training_record["converted_from"] == str(tmp_path / "research")
     ids, features = _target_inputs(target)
     for layer in range(layers):
         expected = research_forward(state, config, layer, ids[:, 1:], features[:, :-1])
@@ -350,11 +353,11 @@ def test_research_checkpoint_converts_and_drafts_like_the_original(target, tmp_p
             research_tokens = target.lm_head(expected).argmax(-1)
         assert torch.equal(out.logits.argmax(-1), research_tokens)
 
-    # native round trip: save (safetensors + full config + card), load, identical weights and outputs
+    # native round trip: save (safetensors, config, generation config, record), load, identical weights and outputs
     drafter.save_pretrained(tmp_path / "native")
     saved = sorted(os.listdir(tmp_path / "native"))
-    assert saved == ["README.md", "config.json", "model.safetensors"]
-    assert "Converted from a research checkpoint" in (tmp_path / "native" / "README.md").read_text()
+    assert saved == ["config.json", "generation_config.json", "model.safetensors", "training_record.json"]
+    assert "Converted from a research checkpoint" in str(hub.render_card(tmp_path / "native"))
     native_config = json.loads((tmp_path / "native" / "config.json").read_text())
     assert native_config["model_type"] == "poss" and native_config["num_specialists"] == layers
     reloaded = PosSDrafter.from_pretrained(tmp_path / "native").bind_target(target)
@@ -369,9 +372,10 @@ def test_converted_drafter_generates_losslessly(target, tmp_path):
                                          tree_depth=3, tree_top_k=2, tree_total_tokens=6)
     prompt = prompts(VOCAB, count=1)[0]
     plain = target.generate(prompt, max_new_tokens=8, do_sample=False)
-    speculative = target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=drafter)
-    assert torch.equal(plain, speculative)
-    assert drafter.last_generation_stats.num_rounds > 0
+    speculative = target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=drafter,
+                                  return_dict_in_generate=True)
+    assert torch.equal(plain, speculative.sequences)
+    assert speculative.speculative_stats.num_rounds > 0
 
 
 def test_convert_cli_and_dtype(target, tmp_path, capsys):
@@ -380,7 +384,8 @@ def test_convert_cli_and_dtype(target, tmp_path, capsys):
     argv = ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--num-specialists", "2",
             "--positions-per-specialist", "3", "--target", str(tmp_path / "target"), "--target-name-or-path", "org/t"]
     assert cli.main(argv) == 0
-    assert sorted(os.listdir(tmp_path / "dst")) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "dst")) == ["README.md", "config.json", "generation_config.json",
+                                                    "model.safetensors", "training_record.json"]
     config = PosSConfig.from_pretrained(tmp_path / "dst")
     assert (config.num_specialists, config.positions_per_specialist, config.target_name_or_path) == (2, 3, "org/t")
     weights = load_file(str(tmp_path / "dst" / "model.safetensors"))
@@ -491,4 +496,4 @@ def test_hub_repo_id_path_reads_a_cached_snapshot_and_applies_the_preset(target,
                                          local_files_only=True)
     assert (drafter.config.num_specialists, drafter.config.positions_per_specialist) == (2, 3)
     assert drafter.config.target_name_or_path == "meta-llama/Llama-2-13b-chat-hf"
-    assert drafter.config.training_record["converted_from"] == "HINT-lab/PosS3-Llama2-13B-Chat"
+    assert drafter.training_record["converted_from"] == "HINT-lab/PosS3-Llama2-13B-Chat"

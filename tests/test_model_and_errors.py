@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModel
 from transformers.cache_utils import DynamicCache
 
 from tiny_models import DEVICE, prompts, tiny_target
-from transformers_poss import PosSConfig, PosSDrafter
+from transformers_poss import PosSConfig, PosSDrafter, PosSGenerationConfig
 from transformers_poss.generation import hook
 from transformers_poss.generation.drafting import DraftSession, draft_chain, draft_tree
 from transformers_poss.generation.tree_decoding import tree_attention_mask
@@ -20,13 +20,28 @@ def _ids(*rows: list[int]) -> torch.LongTensor:
     return torch.tensor(rows, dtype=torch.long, device=DEVICE)
 
 
-@pytest.mark.parametrize(
-    "bad", [dict(num_specialists=0), dict(positions_per_specialist=-1), dict(tree_depth=0), dict(tree_top_k=0),
-            dict(tree_total_tokens=0), dict(draft_mode="beam"), dict(num_specialists=1.5)],
-)
+@pytest.mark.parametrize("bad", [dict(num_specialists=0), dict(positions_per_specialist=-1), dict(num_specialists=1.5)])
 def test_config_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         PosSConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(tree_depth=0), dict(tree_top_k=0), dict(tree_total_tokens=0), dict(draft_mode="beam"),
+            dict(lookup_num_tokens=-1), dict(lookup_ngram_size=1), dict(record_round_traces="yes")],
+)
+def test_generation_config_validation(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        PosSGenerationConfig(**bad)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        PosSGenerationConfig().updated(**bad)
+
+
+def test_budget_in_config_is_refused_with_where_it_went():
+    with pytest.raises(ValueError, match="generation_config"):
+        PosSConfig(tree_depth=4)
+    with pytest.raises(ValueError, match="Unknown generation settings"):
+        PosSDrafter.from_target(tiny_target("llama")).with_generation_config(tree_dpeth=4)
 
 
 def test_config_rejects_unknown_family():
@@ -46,9 +61,12 @@ def test_specialist_for_position():
 def test_save_load_round_trip_and_auto_model(tmp_path, family):
     target = tiny_target(family)
     drafter = PosSDrafter.from_target(target, num_specialists=3, positions_per_specialist=2, tree_top_k=4)
+    drafter.training_record = {"steps": 7}
     drafter.save_pretrained(tmp_path)
     saved = {p.name for p in tmp_path.iterdir()}
-    assert "model.safetensors" in saved and "config.json" in saved
+    # no card on save, no empty tuning record; the budget is not in config.json
+    assert saved == {"model.safetensors", "config.json", "generation_config.json", "training_record.json"}
+    assert "tree_top_k" not in (tmp_path / "config.json").read_text()
     from safetensors.torch import load_file
 
     keys = load_file(tmp_path / "model.safetensors").keys()
@@ -59,6 +77,9 @@ def test_save_load_round_trip_and_auto_model(tmp_path, family):
         assert type(loaded) is PosSDrafter
         strip = lambda config: {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}  # noqa: E731
         assert strip(loaded.config) == strip(drafter.config)
+        assert loaded.generation_config.budget == drafter.generation_config.budget
+        assert loaded.generation_config.tree_top_k == 4 and isinstance(loaded.generation_config, PosSGenerationConfig)
+        assert loaded.training_record == {"steps": 7} and loaded.tuning_record == {}
         for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
             assert torch.equal(a.cpu(), b.cpu()), name
     assert isinstance(AutoConfig.from_pretrained(tmp_path), PosSConfig)
@@ -134,7 +155,7 @@ def test_batch_and_padding_fail_before_any_work():
 def test_unknown_draft_mode_set_after_loading_fails():
     target = tiny_target("llama")
     drafter = PosSDrafter.from_target(target)
-    drafter.config.draft_mode = "beam"
+    drafter.generation_config.draft_mode = "beam"
     with pytest.raises(ValueError, match="draft_mode"):
         target.generate(_ids([1, 2, 3]), max_new_tokens=5, assistant_model=drafter)
 
@@ -217,3 +238,52 @@ def test_tree_mask_matches_running_each_path(fitted_pairs, family, attn):
             with torch.no_grad():
                 expected = target(plain).logits[0, -1]
             torch.testing.assert_close(tree_logits[node], expected, atol=1e-4, rtol=1e-4)  # fp32 tolerance
+
+
+def test_old_single_file_layout_loads_converted(tmp_path):
+    """Folders saved before `generation_config.json` kept the budget and the records in `config.json`."""
+    import json
+
+    target = tiny_target("llama")
+    drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2)
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(draft_mode="chain", tree_depth=3, tree_top_k=2, tree_total_tokens=5, lookup_num_tokens=10,
+                  lookup_ngram_size=3, specialist_intermediate_size=None, training_record={"steps": 9},
+                  tuning_record={"chosen": {"tree_depth": 3}, "previous_record": {"chosen": {}}})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").unlink()
+    loaded = PosSDrafter.from_pretrained(tmp_path)
+    assert loaded.generation_config.budget == {
+        "draft_mode": "chain", "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5, "lookup_num_tokens": 10,
+        "lookup_ngram_size": 3, "record_round_traces": False,
+    }
+    assert loaded.training_record == {"steps": 9} and loaded.tuning_record["chosen"] == {"tree_depth": 3}
+    assert not hasattr(loaded.config, "tree_depth") and not hasattr(loaded.config, "training_record")
+    loaded.save_pretrained(tmp_path / "new")  # saved again: the new layout
+    assert "tree_depth" not in (tmp_path / "new" / "config.json").read_text()
+    assert PosSDrafter.from_pretrained(tmp_path / "new").generation_config.tree_depth == 3
+    # A folder whose specialists were widened cannot be rebuilt any more: refused, not loaded wrong.
+    config["specialist_intermediate_size"] = 256
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="specialist_intermediate_size"):
+        PosSDrafter.from_pretrained(tmp_path)
+
+
+def test_per_call_settings_leave_the_shared_drafter_alone():
+    target = tiny_target("llama")
+    drafter = PosSDrafter.from_target(target, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+    view = drafter.with_generation_config(tree_depth=5, draft_mode="chain")
+    assert (view.generation_config.tree_depth, view.generation_config.draft_mode) == (5, "chain")
+    assert (drafter.generation_config.tree_depth, drafter.generation_config.draft_mode) == (2, "tree")
+    assert view.fc.weight is drafter.fc.weight  # the same weights, not a copy
+    out = target.generate(prompts(count=1)[0], max_new_tokens=8, do_sample=False, assistant_model=view,
+                          return_dict_in_generate=True)
+    stats = out.speculative_stats
+    assert stats.draft_mode == "chain" and stats.tree_depth == 5 and stats.num_rounds > 0
+    assert not hasattr(drafter, "last_generation_stats")  # results travel on the output only
+    out = target.generate(prompts(count=1)[0], max_new_tokens=8, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    assert out.speculative_stats.draft_mode == "tree" and out.speculative_stats.tree_depth == 2
+    summary = out.speculative_stats.summary()
+    assert summary["rounds"] == out.speculative_stats.num_rounds and len(summary["position_acceptance"]) == 2

@@ -60,18 +60,18 @@ def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_to
     target, drafter, prompt = setup
     temperature = 0.7
     drafter = copy.deepcopy(drafter)
-    drafter.config.draft_mode, drafter.config.lookup_num_tokens = mode, lookup_tokens
+    drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = mode, lookup_tokens
     if lookup_tokens:  # a small drafted tree and a repetitive prompt, so that grafted nodes get accepted
-        drafter.config.tree_total_tokens, prompt = 3, torch.cat((prompt, prompt), dim=1)
+        drafter.generation_config.tree_total_tokens, prompt = 3, torch.cat((prompt, prompt), dim=1)
     marginals = _exact_marginals(target, prompt, temperature)
     torch.manual_seed(0)
     samples, accepted, from_lookup = [], 0, 0
     for _ in range(SAMPLES):
         out = target.generate(prompt, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                              max_new_tokens=NEW_TOKENS, assistant_model=drafter)
-        samples.append(out[0, prompt.shape[1]:].tolist())
-        accepted += sum(drafter.last_generation_stats.acceptance_lengths)
-        from_lookup += drafter.last_generation_stats.lookup_tokens
+                              max_new_tokens=NEW_TOKENS, assistant_model=drafter, return_dict_in_generate=True)
+        samples.append(out.sequences[0, prompt.shape[1]:].tolist())
+        accepted += sum(out.speculative_stats.acceptance_lengths)
+        from_lookup += out.speculative_stats.lookup_tokens
     assert accepted > SAMPLES // 5, "drafts were rarely accepted: the test would not exercise acceptance"
     assert (from_lookup >= 5) == bool(lookup_tokens), from_lookup  # grafted nodes were accepted, and only then
     p_values = _p_values(samples, marginals)

@@ -10,14 +10,11 @@ from transformers_poss.tuning import format_costs, format_table, replay_accepted
 
 
 def _traced_generate(target, drafter, prompt, depth, top_k, total_tokens, max_new_tokens=24):
-    config = drafter.config
-    config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens = "tree", depth, top_k, total_tokens
-    drafter.keep_round_traces = True
-    try:
-        target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
-    finally:
-        drafter.keep_round_traces = False
-    return drafter.last_generation_stats
+    traced = drafter.with_generation_config(draft_mode="tree", tree_depth=depth, tree_top_k=top_k,
+                                            tree_total_tokens=total_tokens, record_round_traces=True)
+    out = target.generate(prompt, assistant_model=traced, max_new_tokens=max_new_tokens, do_sample=False,
+                          return_dict_in_generate=True)
+    return out.speculative_stats
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -52,11 +49,10 @@ def test_subtree_of_recorded_candidates_is_the_tree_drafted_with_the_smaller_bud
 
 def test_tune_ranks_every_budget_and_restores_the_config(fitted_pairs):
     target, drafter = fitted_pairs("llama")
-    config = drafter.config
-    before = (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens)
+    before = drafter.generation_config.budget
     result = tune(target, drafter, prompts(target.config.vocab_size, 2), top_ks=(1, 2), max_depth=3,
                   totals=(2, 4, 8), max_new_tokens=16, repeats=1)
-    assert (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens) == before
+    assert drafter.generation_config.budget == before
     budgets = {(e.depth, e.top_k, e.total_tokens) for e in result.estimates}
     # Totals are capped at the tree's size with the root: top_k 1 allows d + 1 tokens, top_k 2 allows 3 + 4 (d - 1).
     assert budgets == {(1, 1, 2), (2, 1, 2), (2, 1, 3), (3, 1, 2), (3, 1, 4), (1, 2, 2), (1, 2, 3),
@@ -95,3 +91,25 @@ def test_poss_tune_checks_the_prompt_selection_before_loading_anything(tmp_path,
 def test_poss_tune_rejects_bad_lists():
     with pytest.raises(SystemExit):
         poss_main(["tune", "default", "--prompts", "x", "--top-k", "0,2"])
+
+
+def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path, capsys):
+    """`poss tune FOLDER` rewrites `generation_config.json` and `tuning_record.json`, nothing else of the folder."""
+    import json
+
+    from tiny_tokenizer import char_tokenizer
+
+    target, drafter = fitted_pairs("llama")
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    untouched = {name: (tmp_path / "drafter" / name).read_bytes() for name in ("config.json", "model.safetensors")}
+    (tmp_path / "prompts.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hello there"]}\n')
+    code = poss_main(["tune", str(tmp_path / "drafter"), "--target", str(tmp_path / "target"), "--prompts",
+                      str(tmp_path / "prompts.jsonl"), "--dtype", "float32", "--top-k", "1,2", "--max-depth", "2",
+                      "--totals", "2,4", "--max-new-tokens", "12", "--repeats", "1"])
+    assert code == 0, capsys.readouterr().err
+    chosen = json.loads((tmp_path / "drafter" / "tuning_record.json").read_text())["chosen"]
+    settings = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
+    assert {k: settings[k] for k in chosen} == chosen and chosen["tree_depth"] <= 2
+    assert all((tmp_path / "drafter" / name).read_bytes() == data for name, data in untouched.items())

@@ -1,19 +1,27 @@
 """PosS (Position Specialists) speculative decoding for HuggingFace Transformers.
 
-Importing this package registers `PosSConfig`/`PosSDrafter` with the Auto classes and installs the small
-`generate()` hook that lets `target.generate(..., assistant_model=drafter)` draft with a PosS drafter.
+Importing this package registers `PosSConfig`/`PosSDrafter` with the Auto classes, lets `PosSDrafter.from_pretrained`
+read research checkpoints and `push_to_hub` upload a model card, and installs the small `generate()` hook that lets
+`target.generate(..., assistant_model=drafter)` draft with a PosS drafter.
 """
 
 from transformers import AutoConfig, AutoModel
 
-from .configuration_poss import PosSConfig
-from .generation import GenerationStats, PosSCandidateGenerator, install_generate_hook
+from . import hub, research_checkpoint
+from .configuration_poss import PosSConfig, PosSGenerationConfig
+from .generation import GenerationStats, PosSCandidateGenerator, PosSGenerateOutput, install_generate_hook
 from .modeling_poss import PosSDrafter, PosSDrafterOutput
 
 __version__ = "0.1.0"
 
 AutoConfig.register("poss", PosSConfig, exist_ok=True)
 AutoModel.register(PosSConfig, PosSDrafter, exist_ok=True)
+if research_checkpoint.read_if_research_checkpoint not in PosSDrafter.checkpoint_readers:
+    PosSDrafter.checkpoint_readers.append(research_checkpoint.read_if_research_checkpoint)
+PosSDrafter.hub_pusher = hub.push_drafter_to_hub
 install_generate_hook()
 
-__all__ = ["PosSConfig", "PosSDrafter", "PosSDrafterOutput", "PosSCandidateGenerator", "GenerationStats", "__version__"]
+__all__ = [
+    "GenerationStats", "PosSCandidateGenerator", "PosSConfig", "PosSDrafter", "PosSDrafterOutput",
+    "PosSGenerateOutput", "PosSGenerationConfig", "__version__",
+]

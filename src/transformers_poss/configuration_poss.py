@@ -1,13 +1,20 @@
-"""`PosSConfig`: everything needed to rebuild and run a PosS drafter."""
+"""Configuration of a PosS drafter: `PosSConfig` (what rebuilds its weights) and `PosSGenerationConfig` (how it drafts)."""
 
 from __future__ import annotations
 
 import copy
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-# Target families whose decoder layer a drafter can be built from (the layer class comes from transformers).
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Target families whose decoder layer a drafter is built from: family -> (transformers modeling module, decoder layer
+# class, rotary embedding class). The classes are transformers' own (see `modeling_poss.family_classes`).
+FAMILY_CLASSES = {
+    "llama": ("llama", "LlamaDecoderLayer", "LlamaRotaryEmbedding"),
+    "mistral": ("mistral", "MistralDecoderLayer", "MistralRotaryEmbedding"),
+    "qwen2": ("qwen2", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding"),
+    "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding"),
+    "gemma3_text": ("gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding"),
+}
 DRAFT_MODES = ("tree", "chain")
 
 # Keys of the target's text config that say nothing about one decoder layer (kept out of `target_config`).
@@ -17,9 +24,24 @@ _IRRELEVANT_TARGET_KEYS = (
     "_attn_implementation_autoset", "output_hidden_states", "output_attentions", "return_dict",
 )
 
+# What `config.json` held before the drafting budget and the records got files of their own (read on load, see
+# `PosSDrafter.from_pretrained`).
+LEGACY_GENERATION_KEYS = (
+    "draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens", "lookup_ngram_size",
+)
+LEGACY_RECORD_KEYS = ("training_record", "tuning_record")
+
+
+def _check_int(owner: str, name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
+
 
 class PosSConfig(PretrainedConfig):
-    r"""Configuration of a PosS (Position Specialists) drafter.
+    r"""Configuration of a PosS (Position Specialists) drafter: what rebuilds its weights.
+
+    How the drafter drafts (tree budget, prompt-lookup branch) is its `generation_config`, a `PosSGenerationConfig`;
+    what its training and tuning measured are `training_record.json` / `tuning_record.json` beside `config.json`.
 
     Args:
         target_config (`dict`):
@@ -32,32 +54,17 @@ class PosSConfig(PretrainedConfig):
             (1-based) uses specialist `min((p - 1) // k, num_specialists - 1)`. A single specialist is an
             EAGLE-2/HASS drafter.
         fc_bias (`bool`): whether the input projection `fc: 2H -> H` has a bias.
-        specialist_intermediate_size (`int`, *optional*): MLP width of the specialist layers; `None` (default) is
-            the target's `intermediate_size`. Wider specialists draft more slowly and may predict better;
-            `warm_start` widens a trained drafter without changing what it computes.
         feature_layers (`list[int]`, *optional*): the target hidden states the drafter reads, as
             `output_hidden_states` indices (0: embeddings, `i`: after decoder layer `i`, `-1`: the final post-norm
             state), ending with `-1`. `None` (default) reads the final state only (EAGLE-1/2, HASS). More than one
             (EAGLE-3-style low/mid/high fusion, e.g. `[3, 16, -1]`) adds `fuse: Linear(n * H -> H)` over their
             concatenation; the drafter still predicts the final state, which deeper draft positions read.
-        draft_mode (`str`): `"tree"` (EAGLE-2 dynamic tree, default) or `"chain"` (top-1 path through
-            transformers' assisted-generation loop).
-        tree_depth (`int`): draft positions per round.
-        tree_top_k (`int`): children expanded per node and frontier width per depth.
-        tree_total_tokens (`int`): verified tree size, root included.
-        lookup_num_tokens (`int`): tree mode: the longest continuation copied from the context (prompt lookup) and
-            grafted onto the draft tree as one more root path; `0` (default) drafts with the specialists only.
-            Verification keeps it lossless; it pays when answers repeat their prompt or themselves.
-        lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
-            their latest earlier occurrence.
         draft_vocab_size (`int`, *optional*): size of a reduced draft vocabulary (a drafter-own `lm_head`
             over the most frequent target tokens); `None` drafts over the full target vocabulary.
         draft_head_rows (`int`, *optional*): with a draft vocabulary, how many of its rows (the first) the drafter
             stores and trains as its own; the other `draft_vocab_size - draft_head_rows` read the target's `lm_head`
             rows through a trained map `draft_head_map` (`(H + 1) * H` parameters for any number of rows), so a
             large draft vocabulary costs little to store. `None` (default) stores every row.
-        training_record (`dict`, *optional*): data, steps, tokens and validation accuracy of training.
-        tuning_record (`dict`, *optional*): what `poss tune` measured and predicted when it chose the tree budget.
     """
 
     model_type = "poss"
@@ -67,26 +74,36 @@ class PosSConfig(PretrainedConfig):
     num_specialists: int = 1
     positions_per_specialist: int = 1
     fc_bias: bool = True
-    specialist_intermediate_size: int | None = None
     feature_layers: list[int] | None = None
-    draft_mode: str = "tree"
-    tree_depth: int = 6
-    tree_top_k: int = 10
-    tree_total_tokens: int = 60
-    lookup_num_tokens: int = 0
-    lookup_ngram_size: int = 3
     draft_vocab_size: int | None = None
     draft_head_rows: int | None = None
-    training_record: dict | None = None
-    tuning_record: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
+        moved = sorted(set(kwargs) & set(LEGACY_GENERATION_KEYS + LEGACY_RECORD_KEYS))
+        if moved:
+            raise ValueError(
+                f"PosSConfig no longer holds {moved}: the drafting budget is the drafter's `generation_config` "
+                "(`PosSGenerationConfig`) and the records are `drafter.training_record` / `drafter.tuning_record`."
+            )
+        if kwargs.pop("specialist_intermediate_size", None) is not None:
+            raise ValueError(
+                "PosSConfig.specialist_intermediate_size was removed (wider specialists did not help): specialists "
+                "have the target's MLP width"
+            )
         self.target_config = {k: v for k, v in (self.target_config or {}).items() if k not in _IRRELEVANT_TARGET_KEYS}
-        self.training_record = self.training_record or {}
-        self.tuning_record = self.tuning_record or {}
         super().__post_init__(**kwargs)
         self.check_settings()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """As `PretrainedConfig.from_dict`; keys of the old single-file layout (budget, records) are left out here
+        and read by `PosSDrafter.from_pretrained`."""
+        legacy = LEGACY_GENERATION_KEYS + LEGACY_RECORD_KEYS
+        config_dict = {k: v for k, v in config_dict.items() if k not in legacy}
+        if config_dict.get("specialist_intermediate_size", 0) is None:  # the removed option, at its default
+            del config_dict["specialist_intermediate_size"]
+        return super().from_dict(config_dict, **kwargs)
 
     # ---- facts about the target, read from `target_config` -------------------------------------------------
     @property
@@ -117,8 +134,6 @@ class PosSConfig(PretrainedConfig):
         fields = copy.deepcopy(self.target_config)
         model_type = fields.pop("model_type")
         fields["num_hidden_layers"] = self.num_specialists
-        if self.specialist_intermediate_size is not None:
-            fields["intermediate_size"] = self.specialist_intermediate_size
         if "layer_types" in fields:  # drafter layers always attend to the whole context
             fields["layer_types"] = ["full_attention"] * self.num_specialists
         for key in ("sliding_window", "max_window_layers"):
@@ -134,17 +149,9 @@ class PosSConfig(PretrainedConfig):
         return self.draft_vocab_size if self.draft_head_rows is None else self.draft_head_rows
 
     def check_settings(self) -> None:
-        """Raise `ValueError` on settings no drafter can run with."""
-        minimums = {
-            "num_specialists": 1, "positions_per_specialist": 1, "tree_depth": 1, "tree_top_k": 1,
-            "tree_total_tokens": 1, "lookup_num_tokens": 0, "lookup_ngram_size": 2,
-        }
-        for name, minimum in minimums.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"PosSConfig.{name} must be an integer >= {minimum}, got {value!r}")
-        if self.draft_mode not in DRAFT_MODES:
-            raise ValueError(f"PosSConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+        """Raise `ValueError` on settings no drafter can be built with."""
+        for name in ("num_specialists", "positions_per_specialist"):
+            _check_int("PosSConfig", name, getattr(self, name), 1)
         if self.draft_vocab_size is not None and (
             not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1
             or (self.vocab_size is not None and self.draft_vocab_size > self.vocab_size)
@@ -162,15 +169,12 @@ class PosSConfig(PretrainedConfig):
                 f"PosSConfig.draft_head_rows must be None or an integer in [0, draft_vocab_size="
                 f"{self.draft_vocab_size}] (it needs a draft vocabulary), got {rows!r}"
             )
-        width = self.specialist_intermediate_size
-        if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
-            raise ValueError(f"PosSConfig.specialist_intermediate_size must be None or an integer >= 1, got {width!r}")
         self._check_feature_layers()
         if self.target_config:
             family = self.target_config.get("model_type")
-            if family not in SUPPORTED_FAMILIES:
+            if family not in FAMILY_CLASSES:
                 raise ValueError(
-                    f"PosS drafters support target families {SUPPORTED_FAMILIES}; the target config says {family!r}"
+                    f"PosS drafters support target families {tuple(FAMILY_CLASSES)}; the target config says {family!r}"
                 )
             for key in ("hidden_size", "vocab_size", "num_attention_heads", "intermediate_size"):
                 if not self.target_config.get(key):
@@ -206,3 +210,68 @@ class PosSConfig(PretrainedConfig):
             target_name_or_path=kwargs.pop("target_name_or_path", getattr(target_config, "_name_or_path", None)),
             **kwargs,
         )
+
+
+class PosSGenerationConfig(GenerationConfig):
+    r"""How a PosS drafter drafts: `drafter.generation_config`, saved as `generation_config.json` beside `config.json`
+    (where transformers keeps an assistant's `num_assistant_tokens`). `poss tune` writes the fastest budget here.
+
+    For one call without changing the shared drafter, pass a view with other settings:
+    `target.generate(..., assistant_model=drafter.with_generation_config(tree_depth=4))`.
+
+    Args:
+        draft_mode (`str`): `"tree"` (EAGLE-2 dynamic tree verified in one target forward, default) or `"chain"`
+            (one path through transformers' own assisted-generation loop).
+        tree_depth (`int`): draft positions per round.
+        tree_top_k (`int`): children expanded per node and frontier width per depth.
+        tree_total_tokens (`int`): verified tree size, root included.
+        lookup_num_tokens (`int`): tree mode: the longest continuation copied from the context (prompt lookup) and
+            grafted onto the draft tree as one more root path; `0` (default) drafts with the specialists only.
+            Verification keeps it lossless; it pays when answers repeat their prompt or themselves.
+        lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
+            their latest earlier occurrence.
+        record_round_traces (`bool`): tree mode: keep every round's scored candidates in the output's
+            `speculative_stats.round_traces` (what `poss tune` replays); off by default.
+        kwargs: other `GenerationConfig` fields (unused by the drafter).
+    """
+
+    POSS_DEFAULTS = {
+        "draft_mode": "tree", "tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60,
+        "lookup_num_tokens": 0, "lookup_ngram_size": 3, "record_round_traces": False,
+    }
+
+    def __init__(self, **kwargs):
+        for name, default in self.POSS_DEFAULTS.items():
+            setattr(self, name, kwargs.pop(name, default))
+        super().__init__(**kwargs)
+
+    @property
+    def budget(self) -> dict:
+        """The drafting settings (the `POSS_DEFAULTS` fields) as a dict."""
+        return {name: getattr(self, name) for name in self.POSS_DEFAULTS}
+
+    def validate(self, *args, **kwargs):
+        """`GenerationConfig.validate`, then raise `ValueError` on drafting settings no drafter can run with."""
+        super().validate(*args, **kwargs)
+        minimums = {"tree_depth": 1, "tree_top_k": 1, "tree_total_tokens": 1, "lookup_num_tokens": 0,
+                    "lookup_ngram_size": 2}
+        for name, minimum in minimums.items():
+            _check_int("PosSGenerationConfig", name, getattr(self, name), minimum)
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"PosSGenerationConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+        if not isinstance(self.record_round_traces, bool):
+            raise ValueError(f"PosSGenerationConfig.record_round_traces must be a bool, got {self.record_round_traces!r}")
+
+    def updated(self, **settings) -> "PosSGenerationConfig":
+        """A validated copy with `settings` changed; unknown names raise `ValueError`."""
+        unknown = sorted(set(settings) - set(self.POSS_DEFAULTS) - set(GenerationConfig().to_dict()))
+        if unknown:
+            raise ValueError(f"Unknown generation settings {unknown}; PosS drafting settings are {list(self.POSS_DEFAULTS)}")
+        config = copy.deepcopy(self)
+        config.update(**settings)
+        return config
+
+    @classmethod
+    def from_legacy_config(cls, config_dict: dict) -> "PosSGenerationConfig":
+        """The settings a pre-`generation_config.json` drafter kept in its `config.json` (`LEGACY_GENERATION_KEYS`)."""
+        return cls(**{k: config_dict[k] for k in LEGACY_GENERATION_KEYS if k in config_dict})

@@ -5,9 +5,9 @@ template text; the repository's top-level `hub_cards/` points to it) through `hu
 metadata (`library_name: transformers-poss`, `base_model` = the target when it is a Hub id, tags including
 `speculative-decoding`, `license`, `pipeline_tag: text-generation`, and `model-index` results with tau and speedup
 per dataset when a benchmark is given), a usage snippet, the drafter's configuration, its training record
-(`config.training_record`) and the benchmark table. `PosSDrafter.save_pretrained` writes the card as `README.md` when
-the folder has none (an existing README is never replaced); `push_drafter_to_hub` and
-`save_pretrained(..., push_to_hub=True)` upload it.
+(`training_record.json`) and the benchmark table. `write_card` writes it as `README.md` when the folder has none (an
+existing README is never replaced): `poss card`, `poss convert` and the end of `poss train` call it, and
+`PosSDrafter.push_to_hub` / `save_pretrained(..., push_to_hub=True)` upload it.
 
 **Benchmark JSON** (what `poss card --benchmark` reads and the benchmark runner writes)::
 
@@ -34,7 +34,6 @@ the folder has none (an existing README is never replaced); `push_drafter_to_hub
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -46,7 +45,9 @@ from pathlib import Path
 
 import torch
 
-from .configuration_poss import PosSConfig
+from .configuration_poss import PosSConfig, PosSGenerationConfig
+from .modeling_poss import PosSDrafter, read_drafter_files
+from .research_checkpoint import convert_research_checkpoint
 
 TEMPLATE_NAME = "drafter_card.md"
 LIBRARY_NAME = "transformers-poss"
@@ -54,7 +55,6 @@ DEFAULT_LICENSE = "apache-2.0"
 CARD_TAGS = ("speculative-decoding", "poss", "eagle", "draft-model", "transformers")
 DRAFTER_METHOD_PREFIX = "poss"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_PUSH_OPTIONS = ("repo_id", "commit_message", "commit_description", "create_pr", "private", "revision", "tags")
 
 
 def template_path() -> Path:
@@ -122,11 +122,15 @@ def _is_drafter_method(method: str, prefixes: tuple[str, ...]) -> bool:
 
 
 # ---- the card -----------------------------------------------------------------------------------------------------
-def _config_of(source) -> PosSConfig:
+def drafter_description(source) -> tuple[PosSConfig, PosSGenerationConfig, dict[str, dict]]:
+    """`(config, generation_config, records)` of a `PosSDrafter`, a `PosSConfig` (default settings, no records) or a
+    native drafter folder (read without its weights)."""
     if isinstance(source, PosSConfig):
-        return source
+        return source, PosSGenerationConfig(), {"training_record": {}, "tuning_record": {}}
     if isinstance(getattr(source, "config", None), PosSConfig):
-        return source.config
+        return source.config, source.generation_config, {
+            "training_record": source.training_record, "tuning_record": source.tuning_record,
+        }
     path = Path(source)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a drafter folder (no config.json)")
@@ -136,12 +140,10 @@ def _config_of(source) -> PosSConfig:
             f"{path} is not a native PosS drafter folder (model_type {config.get('model_type')!r}); convert research "
             "checkpoints first with `poss convert`"
         )
-    return PosSConfig.from_pretrained(str(path))
+    return (PosSConfig.from_pretrained(str(path)), *read_drafter_files(path))
 
 
 def _parameter_count(config: PosSConfig) -> int:
-    from .modeling_poss import PosSDrafter
-
     with torch.device("meta"):
         model = PosSDrafter(config)
     return sum(p.numel() for p in model.parameters())
@@ -186,7 +188,7 @@ def render_card(
     """
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-    config = _config_of(source)
+    config, generation_config, records = drafter_description(source)
     if model_id is None:
         model_id = str(source) if isinstance(source, (str, os.PathLike)) else "path/to/this/drafter"
     target = config.target_name_or_path
@@ -232,7 +234,7 @@ def render_card(
         model_name=name,
         eval_results=results or None,
     )
-    record = dict(config.training_record or {})
+    record = dict(records["training_record"])
     return ModelCard.from_template(
         card_data,
         template_path=str(template_path()),
@@ -241,6 +243,8 @@ def render_card(
         target_url=f"https://huggingface.co/{target}" if is_hub_id(target) else target,
         model_id=model_id,
         config=config,
+        generation=generation_config,
+        tuning=records["tuning_record"],
         parameters=_human(_parameter_count(config)),
         training_rows=[(k, _record_value(v)) for k, v in record.items()],
         converted="converted_from" in record,
@@ -264,59 +268,31 @@ def write_card(
     return path
 
 
-# ---- saving and pushing -------------------------------------------------------------------------------------------
-def save_drafter(model, save_directory, *args, **kwargs):
-    """`PosSDrafter.save_pretrained`: transformers' save, then a README.md card when the folder has none.
-
-    With `push_to_hub=True` the folder is then uploaded with `push_folder` (options `repo_id`, `commit_message`,
-    `commit_description`, `create_pr`, `private`, `revision`, `tags`, `token`), keeping a README the repo already has.
-    """
-    from transformers import PreTrainedModel
-
-    signature = inspect.signature(PreTrainedModel.save_pretrained)
-    arguments = signature.bind(model, save_directory, *args, **kwargs).arguments
-    arguments.pop("self")
-    extra = dict(arguments.pop("kwargs", {}))
-    push = arguments.pop("push_to_hub", False)
-    main_process = arguments.get("is_main_process", True)
-    if not push:
-        PreTrainedModel.save_pretrained(model, **arguments, **extra)
-        if main_process:
-            write_card(model, save_directory)
-        return None
-    options = {k: extra.pop(k) for k in _PUSH_OPTIONS if k in extra}
-    if extra:
-        raise ValueError(f"save_pretrained(push_to_hub=True) got options it does not know: {sorted(extra)}")
-    if not main_process:
-        PreTrainedModel.save_pretrained(model, **arguments)
-        return None
-    repo_id = options.pop("repo_id", Path(save_directory).name)
-    return push_folder(
-        model, save_directory, repo_id, save=lambda folder: PreTrainedModel.save_pretrained(model, **arguments),
-        token=arguments.get("token"), **options,
-    )
-
-
+# ---- pushing -----------------------------------------------------------------------------------------------------
 def push_drafter_to_hub(
-    model, repo_id: str, *, commit_message: str | None = None, commit_description: str | None = None,
-    private: bool | None = None, token: str | bool | None = None, revision: str | None = None, create_pr: bool = False,
-    max_shard_size: int | str = "50GB", tags: list[str] | None = None, benchmark=None, license: str = DEFAULT_LICENSE,
-    api=None,
+    model, repo_id: str, *, folder: str | os.PathLike | None = None, commit_message: str | None = None,
+    commit_description: str | None = None, private: bool | None = None, token: str | bool | None = None,
+    revision: str | None = None, create_pr: bool = False, tags: list[str] | None = None, benchmark=None,
+    license: str = DEFAULT_LICENSE, api=None, **save_kwargs,
 ):
-    """`push_to_hub` for a drafter: save to a temporary folder the way transformers does, card included, and upload.
+    """`PosSDrafter.push_to_hub` (and `save_pretrained(..., push_to_hub=True)`): save the drafter, add its card, upload.
 
-    A README.md the Hub repo already has is kept (only `tags` are added to it); otherwise this drafter's card is
-    uploaded, with the repo id in its usage snippet. `api` defaults to `huggingface_hub.HfApi()`.
+    The drafter is saved with `save_pretrained(**save_kwargs)` (e.g. `max_shard_size`) into `folder`, which is kept (as
+    `save_pretrained(push_to_hub=True)` keeps it), or into a temporary folder. A README.md the Hub repo already has
+    is kept (only `tags` are added to it); otherwise this drafter's card is uploaded, with the repo id in its usage
+    snippet. `api` defaults to `huggingface_hub.HfApi()`.
     """
-    from transformers import PreTrainedModel
+    options = dict(token=token, private=private, revision=revision, create_pr=create_pr, tags=tags,
+                   commit_message=commit_message, commit_description=commit_description, benchmark=benchmark,
+                   license=license, api=api)
 
-    with tempfile.TemporaryDirectory() as folder:
-        return push_folder(
-            model, folder, repo_id,
-            save=lambda f: PreTrainedModel.save_pretrained(model, f, max_shard_size=max_shard_size),
-            commit_message=commit_message, commit_description=commit_description, private=private, token=token,
-            revision=revision, create_pr=create_pr, tags=tags, benchmark=benchmark, license=license, api=api,
-        )
+    def save(target_folder):
+        model.save_pretrained(target_folder, **save_kwargs)
+
+    if folder is not None:
+        return push_folder(model, folder, repo_id, save=save, **options)
+    with tempfile.TemporaryDirectory() as temporary:
+        return push_folder(model, temporary, repo_id, save=save, **options)
 
 
 def _remote_card(api, repo_id: str, revision: str | None, token):
@@ -393,8 +369,6 @@ def _run_card(args) -> int:
 
 
 def _run_convert(args) -> int:
-    from .research_checkpoint import convert_research_checkpoint
-
     overrides = {"target_name_or_path": args.target_name_or_path} if args.target_name_or_path else {}
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     drafter = convert_research_checkpoint(
@@ -402,8 +376,7 @@ def _run_convert(args) -> int:
         positions_per_specialist=args.positions_per_specialist, target=args.target, overwrite=args.overwrite,
         dtype=dtype, **overrides,
     )
-    if args.overwrite or args.license != DEFAULT_LICENSE:  # an earlier card describes other weights or license
-        write_card(drafter, args.destination, overwrite=True, license=args.license)
+    write_card(drafter, args.destination, overwrite=True, license=args.license)
     config = drafter.config
     print(
         f"wrote {args.destination}: {config.num_specialists} specialist(s), PosS-{config.positions_per_specialist}, "

@@ -9,35 +9,42 @@ embedding and `lm_head` are the target's: they are bound by `bind_target` and ne
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
-from transformers.utils import ModelOutput
+from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput
 
-from .configuration_poss import PosSConfig
-
-# family -> (modeling module, decoder layer class, rotary embedding class), all from transformers itself.
-_FAMILY_CLASSES = {
-    "llama": ("llama", "LlamaDecoderLayer", "LlamaRotaryEmbedding"),
-    "mistral": ("mistral", "MistralDecoderLayer", "MistralRotaryEmbedding"),
-    "qwen2": ("qwen2", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding"),
-    "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding"),
-    "gemma3_text": ("gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding"),
-}
+from .configuration_poss import FAMILY_CLASSES, LEGACY_RECORD_KEYS, PosSConfig, PosSGenerationConfig
 
 
 def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module]]:
     """The transformers decoder-layer and rotary-embedding classes of a target family."""
-    if model_type not in _FAMILY_CLASSES:
-        raise ValueError(f"PosS drafters support target families {tuple(_FAMILY_CLASSES)}, not {model_type!r}")
-    module_name, layer_name, rotary_name = _FAMILY_CLASSES[model_type]
+    if model_type not in FAMILY_CLASSES:
+        raise ValueError(f"PosS drafters support target families {tuple(FAMILY_CLASSES)}, not {model_type!r}")
+    module_name, layer_name, rotary_name = FAMILY_CLASSES[model_type]
     module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
     return getattr(module, layer_name), getattr(module, rotary_name)
+
+
+def softcap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-style final-logit soft-capping `tanh(logits / c) * c` (unchanged when `softcap` is None or 0)."""
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """A causal LM's logits from its final hidden states `[..., H] -> [..., V]`: its output embeddings, then its
+    final-logit soft-capping when the family has one (Gemma)."""
+    lm_head = model.get_output_embeddings()
+    logits = lm_head(hidden.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype))
+    return softcap_logits(logits, getattr(model.config.get_text_config(), "final_logit_softcapping", None))
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -119,10 +126,19 @@ class PosSDrafter(PosSPreTrainedModel):
             rest of the draft vocabulary's logits: `E @ m[:H] + m[H]` for `m = draft_head_map(features)` and `E` the
             target's `lm_head` rows of those tokens `[Vd - R, H]` (an affine map of the target's rows, applied to
             the features instead).
-        last_generation_stats: statistics of the latest `generate` call that used this drafter.
+        generation_config: how it drafts (`PosSGenerationConfig`: tree budget, prompt-lookup branch), saved as
+            `generation_config.json`; `with_generation_config(...)` gives a view with other settings for one call.
+        training_record / tuning_record: what training and `poss tune` measured (dicts, saved as
+            `training_record.json` / `tuning_record.json` when not empty).
     """
 
     is_poss_drafter = True  # what the generate() hook dispatches on (not isinstance: remote code is another class)
+    # Loaders of other checkpoint layouts, tried in order by `from_pretrained`: `reader(cls, path_or_id, **kwargs)`
+    # returns a drafter, or None when the folder is not of its layout. Registered by `transformers_poss` on import
+    # (`research_checkpoint`), so this module imports no loader.
+    checkpoint_readers: list = []
+    # Uploads a drafter with its model card (`hub.push_drafter_to_hub`, registered on import like the readers).
+    hub_pusher = None
 
     def __init__(self, config: PosSConfig):
         super().__init__(config)
@@ -146,22 +162,28 @@ class PosSDrafter(PosSPreTrainedModel):
         else:
             self.draft_to_target = None
         self._bound: dict[str, object] = {}
-        self.last_generation_stats = None
-        self.keep_round_traces = False  # tree mode: record each round's candidates (poss tune)
+        self.generation_config = PosSGenerationConfig()
+        self.training_record: dict = {}
+        self.tuning_record: dict = {}
         self.post_init()
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
     def from_target(
         cls, target_model: PreTrainedModel, num_specialists: int = 1, positions_per_specialist: int = 1,
-        **config_overrides,
+        **overrides,
     ) -> "PosSDrafter":
-        """A freshly initialised drafter for `target_model`, bound to it, on its `lm_head` device and dtype."""
+        """A freshly initialised drafter for `target_model`, bound to it, on its `lm_head` device and dtype.
+
+        `overrides` are `PosSConfig` fields (e.g. `draft_vocab_size`) and generation settings (`PosSGenerationConfig`
+        fields, e.g. `tree_depth`), each sent where it belongs."""
+        generation = {k: overrides.pop(k) for k in PosSGenerationConfig.POSS_DEFAULTS if k in overrides}
         config = PosSConfig.from_target_config(
             target_model.config, num_specialists=num_specialists,
-            positions_per_specialist=positions_per_specialist, **config_overrides,
+            positions_per_specialist=positions_per_specialist, **overrides,
         )
         drafter = cls(config)
+        drafter.generation_config = PosSGenerationConfig(**generation)
         drafter.bind_target(target_model)
         if drafter.draft_lm_head is not None:
             drafter.init_draft_vocab(torch.arange(config.draft_vocab_size))
@@ -172,45 +194,75 @@ class PosSDrafter(PosSPreTrainedModel):
         cls, pretrained_model_name_or_path, *model_args, num_specialists: int | None = None,
         positions_per_specialist: int | None = None, **kwargs,
     ):
-        """Load a native drafter folder / Hub repo, or convert an EAGLE-1/2, HASS or PosS research checkpoint.
+        """Load a native drafter folder / Hub repo, or a checkpoint of another layout (`checkpoint_readers`: EAGLE-1/2,
+        HASS and PosS research checkpoints, see `transformers_poss.research_checkpoint`).
 
-        Research checkpoints (a Llama `config.json` + `fc`/`layers.{i}` weights) are converted on load; PosS ones need
-        `num_specialists` and `positions_per_specialist` unless their repo is a known preset. See
-        `transformers_poss.research_checkpoint`.
+        Research checkpoints are converted on load; PosS ones need `num_specialists` and `positions_per_specialist`
+        unless their repo is a known preset. A native folder's `generation_config.json`, `training_record.json` and
+        `tuning_record.json` are read too; folders saved before those files existed keep the budget and records in
+        `config.json`, and are converted on load.
         """
-        from . import research_checkpoint
-
-        if pretrained_model_name_or_path is not None and research_checkpoint.is_research_checkpoint(
-            pretrained_model_name_or_path, **kwargs
-        ):
-            if model_args:
-                raise ValueError("positional model arguments are not supported for research checkpoints")
-            return research_checkpoint.load_research_drafter(
-                cls, pretrained_model_name_or_path, num_specialists=num_specialists,
-                positions_per_specialist=positions_per_specialist, **kwargs,
-            )
+        if pretrained_model_name_or_path is not None:
+            for reader in cls.checkpoint_readers:
+                drafter = reader(
+                    cls, pretrained_model_name_or_path, *model_args, num_specialists=num_specialists,
+                    positions_per_specialist=positions_per_specialist, **kwargs,
+                )
+                if drafter is not None:
+                    return drafter
         if num_specialists is not None or positions_per_specialist is not None:
             raise ValueError(
                 "num_specialists / positions_per_specialist are read from a native drafter's config.json; they are "
                 "only accepted for research-format (EAGLE/HASS/PosS) checkpoints"
             )
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        drafter = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if pretrained_model_name_or_path is not None:
+            hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+            generation_config, records = read_drafter_files(pretrained_model_name_or_path, **hub_kwargs)
+            drafter.generation_config = generation_config
+            for key, record in records.items():
+                setattr(drafter, key, record)
+        return drafter
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus a model card (README.md) when the folder has none.
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, push_to_hub: bool = False,
+                        **kwargs):
+        """`PreTrainedModel.save_pretrained`, plus `generation_config.json` and the records (`training_record.json`,
+        `tuning_record.json`, when not empty). No model card: `push_to_hub`, `poss card` and `poss train` write it.
 
-        An existing README.md is never replaced. With `push_to_hub=True` the folder is uploaded with the card (see
-        `transformers_poss.hub.save_drafter`).
+        With `push_to_hub=True` (and `repo_id`, default the folder's name, and `push_to_hub`'s options) the folder is
+        then uploaded with its card, as `push_to_hub` does.
         """
-        from .hub import save_drafter
-
-        return save_drafter(self, save_directory, *args, **kwargs)
+        if push_to_hub and is_main_process:
+            repo_id = kwargs.pop("repo_id", Path(save_directory).name)
+            return self.push_to_hub(repo_id, folder=save_directory, **kwargs)
+        result = super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            folder = Path(save_directory)
+            self.generation_config.save_pretrained(folder)
+            for key in LEGACY_RECORD_KEYS:
+                path = folder / f"{key}.json"
+                if getattr(self, key):
+                    path.write_text(json.dumps(getattr(self, key), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+                elif path.exists():  # a record of earlier weights does not describe these
+                    path.unlink()
+        return result
 
     def push_to_hub(self, repo_id: str, **kwargs):
-        """Upload the drafter with its model card (see `transformers_poss.hub.push_drafter_to_hub`)."""
-        from .hub import push_drafter_to_hub
+        """Upload the drafter with its model card (a README.md already in the repo is kept); see
+        `transformers_poss.hub.push_drafter_to_hub` for the options."""
+        if self.hub_pusher is None:
+            raise RuntimeError("import transformers_poss to push a PosS drafter to the Hub")
+        return type(self).hub_pusher(self, repo_id, **kwargs)
 
-        return push_drafter_to_hub(self, repo_id, **kwargs)
+    def with_generation_config(self, **settings) -> "PosSDrafter":
+        """A view of this drafter for one call, with other generation settings (`PosSGenerationConfig` fields,
+        e.g. `tree_depth=4`); it shares the weights and leaves this drafter's own settings as they are::
+
+            target.generate(**inputs, assistant_model=drafter.with_generation_config(tree_depth=6, tree_top_k=10))
+        """
+        view = copy.copy(self)  # shares parameters, buffers and submodules
+        view.generation_config = self.generation_config.updated(**settings)
+        return view
 
     # ---- binding to a target -----------------------------------------------------------------------------------
     def check_compatible(self, target_model: PreTrainedModel) -> None:
@@ -240,7 +292,6 @@ class PosSDrafter(PosSPreTrainedModel):
             "target": target_model,
             "embed": target_model.get_input_embeddings(),
             "lm_head": lm_head,
-            "softcap": getattr(target_model.config.get_text_config(), "final_logit_softcapping", None),
         }
         if move:
             self.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
@@ -353,12 +404,7 @@ class PosSDrafter(PosSPreTrainedModel):
         if self.draft_lm_head is not None:
             return self.draft_lm_head(features)
         self._require_bound()
-        lm_head = self._bound["lm_head"]
-        logits = lm_head(features.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype))
-        softcap = self._bound.get("softcap")
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits.to(features.device)
+        return output_logits(self._bound["target"], features).to(features.device)
 
     def mapped_head_rows(self) -> torch.Tensor:
         """The target's `lm_head` rows `[Vd - R, H]` of the draft tokens after the drafter's own `R` rows, on the
@@ -408,6 +454,30 @@ class PosSDrafter(PosSPreTrainedModel):
         return PosSDrafterOutput(
             features=predicted, logits=self.logits(predicted) if return_logits else None, cache=cache
         )
+
+
+HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder")
+
+
+def read_drafter_files(name_or_path, **hub_kwargs) -> tuple[PosSGenerationConfig, dict[str, dict]]:
+    """A native drafter folder's (or Hub repo's) generation config and records: `(generation_config,
+    {"training_record": {...}, "tuning_record": {...}})`, from `generation_config.json`, `training_record.json` and
+    `tuning_record.json`, or, for folders saved before those files existed, from `config.json`."""
+    from transformers.utils import cached_file
+
+    def read_json(name: str) -> dict | None:
+        path = cached_file(str(name_or_path), name, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+        return json.loads(Path(path).read_text(encoding="utf-8")) if path else None
+
+    legacy = read_json("config.json") or {}
+    generation = read_json(GENERATION_CONFIG_NAME)
+    generation_config = (PosSGenerationConfig.from_dict(generation) if generation is not None
+                         else PosSGenerationConfig.from_legacy_config(legacy))
+    records = {}
+    for key in LEGACY_RECORD_KEYS:
+        record = read_json(f"{key}.json")
+        records[key] = record if record is not None else dict(legacy.get(key) or {})
+    return generation_config, records
 
 
 def select_hidden_states(hidden_states: tuple[torch.Tensor | None, ...], layers: list[int]) -> torch.Tensor:

@@ -34,8 +34,9 @@
 6. Position to specialist: the PosS code drafts depth `d` (0-based, after the root) with layer
    `min((d + 1) // position_per_layer, layers - 1)`, which is the native `min((p - 1) // k, n - 1)` for position
    `p = d + 2`; position 1 uses layer 0 in both.
-7. Config: the research config becomes `PosSConfig.target_config` (model_type `llama`); everything else of the
-   native config (draft mode, tree budget) takes its defaults unless given.
+7. Config: the research config becomes `PosSConfig.target_config` (model_type `llama`); the generation settings
+   (draft mode, tree budget) take `PosSGenerationConfig`'s defaults unless given; `training_record` says where the
+   weights came from.
 
 Safety: `pytorch_model.bin` is read with `torch.load(weights_only=True)` only; a pickle that needs anything but
 tensors is refused. Missing, extra or mis-shaped weights are a `ValueError` listing the keys, never a partial load.
@@ -52,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from .configuration_poss import PosSConfig
+from .configuration_poss import PosSConfig, PosSGenerationConfig
+from .modeling_poss import HUB_KWARGS, PosSDrafter
 
 RESEARCH_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 RESEARCH_LAYOUT_NAMES = ("EAGLE-1/2", "HASS", "PosS")
@@ -75,9 +77,10 @@ _LLAMA_FIELDS = (
     "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act", "initializer_range",
     "pad_token_id", "bos_token_id", "eos_token_id",
 )
-_HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder")
+_HUB_KWARGS = HUB_KWARGS
 _LOAD_KWARGS = ("dtype", "torch_dtype", "device_map", "attn_implementation")
-_CONFIG_OVERRIDES = ("target_name_or_path", "draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens")
+_CONFIG_OVERRIDES = ("target_name_or_path",)
+_GENERATION_OVERRIDES = tuple(PosSGenerationConfig.POSS_DEFAULTS)
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -227,8 +230,6 @@ def _research_key(native_key: str) -> str:
 
 def expected_research_shapes(config: PosSConfig) -> dict[str, tuple[int, ...]]:
     """Research key -> shape for a drafter with `config` (from the native model's own state dict, built on meta)."""
-    from .modeling_poss import PosSDrafter
-
     with torch.device("meta"):
         model = PosSDrafter(config)
     shapes = {_research_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
@@ -309,7 +310,18 @@ def research_poss_config(
                 "checkpoints do not record it."
             )
         positions_per_specialist = 1
-    record = {
+    return PosSConfig(
+        target_config=research_target_config(checkpoint.config),
+        num_specialists=num_specialists,
+        positions_per_specialist=positions_per_specialist,
+        fc_bias=checkpoint.fc_bias,
+        **overrides,
+    )
+
+
+def conversion_record(checkpoint: ResearchCheckpoint) -> dict:
+    """The converted drafter's `training_record`: where its weights came from."""
+    return {
         "converted_from": checkpoint.source,
         "source_layout": "research checkpoint (" + " / ".join(RESEARCH_LAYOUT_NAMES) + ")",
         "source_weights": checkpoint.weights_file,
@@ -317,14 +329,6 @@ def research_poss_config(
         if "fc.weight" in checkpoint.state_dict else None,
         "dropped_keys": ["embed_tokens.weight (the target's embedding is used)"],
     }
-    return PosSConfig(
-        target_config=research_target_config(checkpoint.config),
-        num_specialists=num_specialists,
-        positions_per_specialist=positions_per_specialist,
-        fc_bias=checkpoint.fc_bias,
-        training_record=record,
-        **overrides,
-    )
 
 
 def native_state_dict(checkpoint: ResearchCheckpoint) -> dict[str, torch.Tensor]:
@@ -381,17 +385,19 @@ def load_research_drafter(
         num_specialists / positions_per_specialist: the PosS settings (known for the `POSS_PRESETS` repos).
         target: optional target model (object or local folder) whose embedding must match the stored one.
         kwargs: hub options (`cache_dir`, `revision`, `token`, `local_files_only`, `force_download`, `subfolder`),
-            loading options (`dtype`, default the checkpoint's; `device_map`; `attn_implementation`) and config
-            overrides (`target_name_or_path`, `draft_mode`, `tree_depth`, `tree_top_k`, `tree_total_tokens`).
+            loading options (`dtype`, default the checkpoint's; `device_map`; `attn_implementation`), the config
+            override `target_name_or_path` and generation settings (`PosSGenerationConfig` fields, e.g. `tree_depth`).
     """
-    unknown = set(kwargs) - set(_HUB_KWARGS) - set(_LOAD_KWARGS) - set(_CONFIG_OVERRIDES)
+    supported = _HUB_KWARGS + _LOAD_KWARGS + _CONFIG_OVERRIDES + _GENERATION_OVERRIDES
+    unknown = set(kwargs) - set(supported)
     if unknown:
         raise ValueError(
             f"Options {sorted(unknown)} are not supported when loading a research checkpoint; supported: "
-            f"{sorted(_HUB_KWARGS + _LOAD_KWARGS + _CONFIG_OVERRIDES)}"
+            f"{sorted(supported)}"
         )
     hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
     overrides = {k: kwargs.pop(k) for k in _CONFIG_OVERRIDES if k in kwargs}
+    generation = {k: kwargs.pop(k) for k in _GENERATION_OVERRIDES if k in kwargs}
     checkpoint = read_research_checkpoint(path_or_id, **hub_kwargs)
     config = research_poss_config(checkpoint, num_specialists, positions_per_specialist, **overrides)
     check_research_weights(checkpoint, config)
@@ -406,19 +412,30 @@ def load_research_drafter(
     )
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:  # checked above; never partial
         raise ValueError(f"Converting {checkpoint.source} left keys unmatched: {info}")
+    model.generation_config = PosSGenerationConfig(**generation)
+    model.training_record = conversion_record(checkpoint)
     return model
+
+
+def read_if_research_checkpoint(cls, path_or_id, *model_args, num_specialists=None, positions_per_specialist=None,
+                                **kwargs):
+    """The `PosSDrafter.checkpoint_readers` entry: a converted drafter when `path_or_id` is a research checkpoint,
+    else `None` (a native folder, or nothing readable: the native loader then reports it)."""
+    if not is_research_checkpoint(path_or_id, **kwargs):
+        return None
+    if model_args:
+        raise ValueError("positional model arguments are not supported for research checkpoints")
+    return load_research_drafter(cls, path_or_id, num_specialists=num_specialists,
+                                 positions_per_specialist=positions_per_specialist, **kwargs)
 
 
 def convert_research_checkpoint(
     source: str | os.PathLike, destination: str | os.PathLike, num_specialists: int | None = None,
     positions_per_specialist: int | None = None, target=None, overwrite: bool = False, **kwargs,
 ):
-    """Write a native PosSDrafter folder (safetensors, full config.json, README.md card) from a research checkpoint.
-
-    Returns the converted drafter. `destination` must be absent or empty unless `overwrite`.
+    """Write a native PosSDrafter folder (safetensors, config.json, generation_config.json, training_record.json) from
+    a research checkpoint. Returns the converted drafter. `destination` must be absent or empty unless `overwrite`.
     """
-    from .modeling_poss import PosSDrafter
-
     destination = Path(destination)
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())) and not overwrite:
         raise ValueError(f"{destination} exists and is not empty; choose another folder or pass overwrite=True")

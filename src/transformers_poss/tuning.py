@@ -71,7 +71,7 @@ class TuneResult:
         return estimate.tokens_per_second * self.decode_seconds_per_token
 
     def record(self) -> dict:
-        """The `tuning_record` written into the drafter config."""
+        """The drafter's `tuning_record` (`tuning_record.json`)."""
         best = self.best
         return {
             "model": "tokens/s = E[accepted + 1] / (draft_s(depth, top_k) + verify_s(total_tokens) + overhead_s)",
@@ -193,15 +193,13 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
          progress=None) -> TuneResult:
     """Calibrate on `prompts` (token ids `[1, L]` each) and rank every budget in the grid by predicted tokens/s.
 
-    The drafter must be bound to `target`; its config is left as it was. The prompt-lookup branch
-    (`lookup_num_tokens`) is not modelled: calibration runs without it, and the budget is chosen for the drafted tree.
+    The drafter must be bound to `target`; its settings are left as they are (calibration passes views of it with
+    other settings, `with_generation_config`). The prompt-lookup branch (`lookup_num_tokens`) is not modelled:
+    calibration runs without it, and the budget is chosen for the drafted tree.
     """
     log = progress or (lambda message: None)
     if not prompts:
         raise ValueError("tune needs at least one calibration prompt")
-    config = drafter.config
-    saved = (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens,
-             config.lookup_num_tokens)
     # Each width is calibrated with its largest tree (root included); smaller budgets are replayed as cuts of it.
     calibrated_size = {k: min(max(totals), _full_tree_tokens(max_depth, k)) for k in top_ks}
 
@@ -216,25 +214,20 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     traces: dict[int, list[RoundTrace]] = {}
     round_seconds: dict[int, list[float]] = {}
     acceptance: dict[int, list[float]] = {}
-    drafter.keep_round_traces = True
-    try:
-        for k in top_ks:
-            config.draft_mode, config.tree_depth, config.tree_top_k = "tree", max_depth, k
-            config.tree_total_tokens, config.lookup_num_tokens = calibrated_size[k], 0
-            log(f"calibrating top_k={k} (depth {max_depth}, {config.tree_total_tokens} tokens) ...")
-            traces[k], round_seconds[k] = [], []
-            for ids in prompts:
-                target.generate(ids.to(target.device), assistant_model=drafter, max_new_tokens=max_new_tokens,
-                                do_sample=False)
-                stats = drafter.last_generation_stats
-                traces[k].extend(stats.round_traces)
-                round_seconds[k].extend(
-                    sum(parts) for parts in zip(stats.draft_seconds, stats.verify_seconds, stats.bookkeeping_seconds))
-            acceptance[k] = _position_acceptance(traces[k], max_depth, calibrated_size[k])
-    finally:
-        drafter.keep_round_traces = False
-        (config.draft_mode, config.tree_depth, config.tree_top_k, config.tree_total_tokens,
-         config.lookup_num_tokens) = saved
+    for k in top_ks:
+        calibrating = drafter.with_generation_config(
+            draft_mode="tree", tree_depth=max_depth, tree_top_k=k, tree_total_tokens=calibrated_size[k],
+            lookup_num_tokens=0, record_round_traces=True,
+        )
+        log(f"calibrating top_k={k} (depth {max_depth}, {calibrated_size[k]} tokens) ...")
+        traces[k], round_seconds[k] = [], []
+        for ids in prompts:
+            stats = target.generate(ids.to(target.device), assistant_model=calibrating, max_new_tokens=max_new_tokens,
+                                    do_sample=False, return_dict_in_generate=True).speculative_stats
+            traces[k].extend(stats.round_traces)
+            round_seconds[k].extend(
+                sum(parts) for parts in zip(stats.draft_seconds, stats.verify_seconds, stats.bookkeeping_seconds))
+        acceptance[k] = _position_acceptance(traces[k], max_depth, calibrated_size[k])
 
     budgets = [(d, k, t) for k in top_ks for d in range(1, max_depth + 1)
                for t in sorted({min(t, _full_tree_tokens(d, k)) for t in totals if t >= 2})]
@@ -366,20 +359,24 @@ def run_tune(args) -> int:
         print("note: no budget is predicted to beat plain decoding with this drafter on this device")
     if args.dry_run:
         return 0
-    config = drafter.config
+    settings = drafter.generation_config
     record = result.record()
-    record["previous"] = {"tree_depth": config.tree_depth, "tree_top_k": config.tree_top_k,
-                          "tree_total_tokens": config.tree_total_tokens}
+    record["previous"] = {"tree_depth": settings.tree_depth, "tree_top_k": settings.tree_top_k,
+                          "tree_total_tokens": settings.tree_total_tokens}
     record["device"] = f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"
     record["command"] = typed_command()
-    config.tree_depth, config.tree_top_k, config.tree_total_tokens = best.depth, best.top_k, best.total_tokens
-    config.tuning_record = record
+    drafter.generation_config = settings.updated(
+        tree_depth=best.depth, tree_top_k=best.top_k, tree_total_tokens=best.total_tokens
+    )
+    drafter.tuning_record = record
     if args.output_dir:
         drafter.save_pretrained(args.output_dir)
         log(f"saved the tuned drafter to {args.output_dir}")
-    else:
-        config.save_pretrained(folder)  # config.json only; weights and card untouched
-        log(f"wrote the budget into {folder / 'config.json'}")
+    else:  # the budget and its record only; weights, config.json and card untouched
+        drafter.generation_config.save_pretrained(folder)
+        (folder / "tuning_record.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n",
+                                                   encoding="utf-8")
+        log(f"wrote the budget into {folder / 'generation_config.json'} and its record into tuning_record.json")
     log(json.dumps(record["chosen"]))
     return 0
 

@@ -18,7 +18,8 @@ class Method:
             a small model) or `"poss"`.
         generate_kwargs: extra keyword arguments for `generate` (e.g. `prompt_lookup_num_tokens`, `assistant_model`).
         drafter: the PosS drafter (kind `"poss"`); `mode` is its `draft_mode` for this method.
-        budget: PosS drafting budget set on the drafter's config before each call (`BUDGET_KEYS`).
+        budget: PosS drafting budget of this method (`BUDGET_KEYS`); the calls pass the drafter with these settings
+            (`drafter.with_generation_config`), leaving the drafter's own as they are.
     """
 
     name: str
@@ -29,23 +30,17 @@ class Method:
     budget: dict = field(default_factory=dict)
     source: str | None = None
 
-    def prepare(self) -> None:
-        """Set the shared drafter's mode and budget for this method (one drafter serves tree and chain)."""
-        if self.drafter is not None:
-            self.drafter.config.draft_mode = self.mode
-            for key, value in self.budget.items():
-                setattr(self.drafter.config, key, value)
-            self.drafter.config.check_settings()
+    def __post_init__(self):
+        if self.drafter is not None:  # one drafter serves several methods: each passes its own view of it
+            self.generate_kwargs["assistant_model"] = self.drafter.with_generation_config(
+                draft_mode=self.mode, **self.budget
+            )
 
     def call_kwargs(self) -> dict:
         kwargs = dict(self.generate_kwargs)
-        if self.drafter is not None:
-            kwargs["assistant_model"] = self.drafter
+        if self.drafter is not None:  # the speculative statistics come back on the output
+            kwargs["return_dict_in_generate"] = True
         return kwargs
-
-    def last_stats(self):
-        """`GenerationStats` of the latest call (PosS only), else None."""
-        return getattr(self.drafter, "last_generation_stats", None) if self.drafter is not None else None
 
     @property
     def depth(self) -> int | None:
@@ -80,12 +75,12 @@ def assistant_method(assistant_model, name: str = "assistant", source: str | Non
 
 def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None,
                  **budget_overrides) -> list[Method]:
-    """One method per draft mode for a PosS drafter, with its config's budget unless overridden."""
+    """One method per draft mode for a PosS drafter, with its generation config's budget unless overridden."""
     unknown = set(budget_overrides) - set(BUDGET_KEYS)
     if unknown:
         raise TypeError(f"unknown budget overrides {sorted(unknown)}; expected some of {BUDGET_KEYS}")
-    budget = {key: getattr(drafter.config, key) if budget_overrides.get(key) is None else budget_overrides[key]
-              for key in BUDGET_KEYS}
+    budget = {key: getattr(drafter.generation_config, key) if budget_overrides.get(key) is None
+              else budget_overrides[key] for key in BUDGET_KEYS}
     methods = []
     for mode in modes:
         if mode not in ("tree", "chain"):

@@ -133,8 +133,8 @@ class BenchmarkRun:
 
 
 def _generate(target, input_ids, method: Method, max_new_tokens, sampling: dict, seed: int):
-    """One timed `generate` call; returns (sequence `[L]`, seconds, target forwards, peak memory)."""
-    method.prepare()
+    """One timed `generate` call; returns (sequence `[L]`, seconds, target forwards, peak memory, the PosS
+    `GenerationStats` or None)."""
     counter = ForwardCounter(target)
     memory = PeakMemory(input_ids.device)
     if sampling:
@@ -151,7 +151,9 @@ def _generate(target, input_ids, method: Method, max_new_tokens, sampling: dict,
             seconds = time.perf_counter() - start
     finally:
         counter.remove()
-    return out[0], seconds, counter.count, memory
+    if isinstance(out, torch.Tensor):
+        return out[0], seconds, counter.count, memory, None
+    return out.sequences[0], seconds, counter.count, memory, getattr(out, "speculative_stats", None)
 
 
 def run_benchmark(
@@ -259,8 +261,8 @@ def _run_conversation(target, tokenizer, encode, question: Question, method: Met
     for turn in range(len(question.turns)):
         text = chat_prompt(tokenizer, question.turns, answers, use_chat_template)
         input_ids = encode(text)
-        sequence, seconds, forwards, memory = _generate(target, input_ids, method, max_new_tokens, sampling,
-                                                        seed * 16 + turn)
+        sequence, seconds, forwards, memory, stats = _generate(target, input_ids, method, max_new_tokens, sampling,
+                                                               seed * 16 + turn)
         output = sequence[input_ids.shape[1]:].tolist()
         answer = tokenizer.decode(output, skip_special_tokens=True)
         answers.append(answer)
@@ -270,7 +272,6 @@ def _run_conversation(target, tokenizer, encode, question: Question, method: Met
             tokens_per_s=len(output) / seconds if seconds > 0 else math.nan, target_forwards=forwards,
             peak_memory_bytes=memory.value, prompt_text=text, answer=answer, output_ids=output,
         )
-        stats = method.last_stats()
         if stats is not None:
             record.acceptance_lengths = list(stats.acceptance_lengths)
             record.tau = stats.mean_acceptance_length

@@ -3,10 +3,10 @@
 from .candidate_generator import PosSCandidateGenerator
 from .drafting import DraftSession, DraftTree, draft_chain, draft_tree
 from .hook import install_generate_hook, is_poss_drafter
-from .stats import GenerationStats
+from .stats import GenerationStats, PosSGenerateOutput
 from .tree_decoding import tree_assisted_decoding
 
 __all__ = [
-    "DraftSession", "DraftTree", "GenerationStats", "PosSCandidateGenerator", "draft_chain", "draft_tree",
+    "DraftSession", "DraftTree", "GenerationStats", "PosSCandidateGenerator", "PosSGenerateOutput", "draft_chain", "draft_tree",
     "install_generate_hook", "is_poss_drafter", "tree_assisted_decoding",
 ]

@@ -24,15 +24,16 @@ class PosSCandidateGenerator(CandidateGenerator):
     requires_model_outputs = True
 
     def __init__(self, drafter: PosSDrafter, generation_config, logits_processor=None):
+        """`generation_config` is the target's for this call (sampling, max length); the depth is the drafter's
+        `generation_config.tree_depth`. The call's statistics accumulate in `self.stats`."""
         self.drafter = drafter
         self.model_kwargs_overrides = {"output_hidden_states": drafter.config.input_feature_layers}
         self.session = DraftSession(drafter)
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.logits_processor = logits_processor
-        self.depth = drafter.config.tree_depth
+        self.depth = drafter.generation_config.tree_depth
         self.stats = GenerationStats(draft_mode="chain", tree_depth=self.depth)
-        drafter.last_generation_stats = self.stats
         self._prefilled = False
         self._round_start: float | None = None
         self._draft_seconds = 0.0

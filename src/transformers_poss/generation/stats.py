@@ -1,8 +1,10 @@
-"""`GenerationStats`: what one `generate` call with a PosS drafter did, round by round."""
+"""`GenerationStats`: what one `generate` call with a PosS drafter did, round by round, and the output that carries it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..metrics import mean_acceptance_length, position_acceptance
 
@@ -22,7 +24,8 @@ class RoundTrace:
 
 @dataclass
 class GenerationStats:
-    """Per-round record of a speculative `generate` call (`drafter.last_generation_stats`).
+    """Per-round record of a speculative `generate` call (`output.speculative_stats` with
+    `return_dict_in_generate=True`).
 
     Attributes:
         draft_mode: `"tree"` or `"chain"`.
@@ -34,7 +37,8 @@ class GenerationStats:
         new_tokens: tokens generated in total (prefill token included).
         lookup_tokens: accepted draft tokens that only the grafted prompt-lookup branch proposed (tree mode with
             `lookup_num_tokens`; counted in `acceptance_lengths` too).
-        round_traces: per-round `RoundTrace`s when `drafter.keep_round_traces` is set (tree mode; `poss tune`).
+        round_traces: per-round `RoundTrace`s when the drafter's `generation_config.record_round_traces` is set
+            (tree mode; `poss tune`).
     """
 
     draft_mode: str
@@ -87,3 +91,12 @@ class GenerationStats:
             "position_acceptance": self.position_acceptance,
             "time_split_s": self.time_split(),
         }
+
+
+@dataclass
+class PosSGenerateOutput(GenerateDecoderOnlyOutput):
+    """What `generate(..., assistant_model=drafter, return_dict_in_generate=True)` returns: transformers' decoder-only
+    output (`sequences`, `scores`, `logits`, `past_key_values`) plus the call's `speculative_stats`
+    (`GenerationStats`: tau, per-position acceptance, time split, tree sizes)."""
+
+    speculative_stats: GenerationStats | None = None

@@ -1,9 +1,9 @@
 """Tree verification loop: draft a tree, verify it in one target forward, accept a path, compact, repeat.
 
-Entered from `target.generate(..., assistant_model=drafter)` when `drafter.config.draft_mode == "tree"`. It keeps
-what `generate` prepared: logits processors (and warpers when sampling), stopping criteria (max length, EOS,
+Entered from `target.generate(..., assistant_model=drafter)` when `drafter.generation_config.draft_mode == "tree"`.
+It keeps what `generate` prepared: logits processors (and warpers when sampling), stopping criteria (max length, EOS,
 stop strings, user criteria), the streamer, and `return_dict_in_generate` with `sequences` (and `scores` /
-`logits` on request).
+`logits` on request) and the call's `speculative_stats`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..modeling_poss import PosSDrafter, additive_mask
+from ..modeling_poss import PosSDrafter, additive_mask, output_logits
 from .drafting import DraftSession, DraftTree, draft_tree, graft_branch, lookup_continuation
-from .stats import GenerationStats, RoundTrace
+from .stats import GenerationStats, PosSGenerateOutput, RoundTrace
 
 
 def tree_assisted_decoding(
@@ -28,13 +27,13 @@ def tree_assisted_decoding(
     streamer=None,
     **model_kwargs,
 ):
-    """Speculative decoding with a PosS draft tree. `input_ids` is `[1, prompt_len]`; returns what generate returns."""
+    """Speculative decoding with a PosS draft tree. `input_ids` is `[1, prompt_len]`; returns the sequences `[1, L]`,
+    or with `return_dict_in_generate` a `PosSGenerateOutput` that carries the call's `speculative_stats`."""
     cache = model_kwargs["cache"]
-    config = drafter.config
+    budget = drafter.generation_config
     session = DraftSession(drafter)
-    stats = GenerationStats(draft_mode="tree", tree_depth=config.tree_depth,
-                            round_traces=[] if getattr(drafter, "keep_round_traces", False) else None)
-    drafter.last_generation_stats = stats
+    stats = GenerationStats(draft_mode="tree", tree_depth=budget.tree_depth,
+                            round_traces=[] if budget.record_round_traces else None)
     do_sample = bool(generation_config.do_sample)
     return_dict = generation_config.return_dict_in_generate
     keep_scores = return_dict and generation_config.output_scores
@@ -46,7 +45,7 @@ def tree_assisted_decoding(
 
     # Prefill: the prompt through the target; its first token is the first root.
     prompt_len = input_ids.shape[1]
-    feature_layers = config.input_feature_layers  # the target hidden states the drafter reads, the final one last
+    feature_layers = drafter.config.input_feature_layers  # the target hidden states the drafter reads, the final one last
     out = model(
         input_ids=input_ids, position_ids=torch.arange(prompt_len, device=device)[None], cache=cache,
         use_cache=True, output_hidden_states=feature_layers, **_logits_to_keep(model, 1),
@@ -65,12 +64,12 @@ def tree_assisted_decoding(
         start = time.perf_counter()
         length = input_ids.shape[1]
         room = max(generation_config.max_length - length - 1, 0)  # draft tokens that can still be emitted
-        tree = draft_tree(session, input_ids[0, -1], min(config.tree_depth, room), config.tree_top_k,
-                          config.tree_total_tokens)
+        tree = draft_tree(session, input_ids[0, -1], min(budget.tree_depth, room), budget.tree_top_k,
+                          budget.tree_total_tokens)
         drafted_nodes = len(tree)
-        if config.lookup_num_tokens and room:
-            continuation = lookup_continuation(input_ids[0], config.lookup_ngram_size,
-                                               min(config.lookup_num_tokens, room))
+        if budget.lookup_num_tokens and room:
+            continuation = lookup_continuation(input_ids[0], budget.lookup_ngram_size,
+                                               min(budget.lookup_num_tokens, room))
             tree = graft_branch(tree, continuation)
         drafted = time.perf_counter()
 
@@ -113,11 +112,12 @@ def tree_assisted_decoding(
     if streamer is not None:
         streamer.end()
     if return_dict:
-        return GenerateDecoderOnlyOutput(
+        return PosSGenerateOutput(
             sequences=input_ids,
             scores=tuple(scores) if keep_scores else None,
             logits=tuple(raw_logits) if keep_logits else None,
             cache=cache,
+            speculative_stats=stats,
         )
     return input_ids
 
@@ -204,10 +204,7 @@ class TreeLogits:
             if self.full_logits is not None:
                 row = self.full_logits[node]
             else:
-                row = self.model.get_output_embeddings()(self.hidden[node : node + 1])[0]
-                softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
-                if softcap is not None:
-                    row = torch.tanh(row / softcap) * softcap
+                row = output_logits(self.model, self.hidden[node : node + 1])[0]
             self._raw[node] = row.to(dtype=torch.float32, device=self.input_ids.device)
         return self._raw[node]
 

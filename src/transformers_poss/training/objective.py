@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..modeling_poss import PosSDrafter, additive_mask
+from ..modeling_poss import PosSDrafter, additive_mask, softcap_logits
 
 
 def unrolled_allowed(length: int, step: int, device=None) -> torch.Tensor:
@@ -211,9 +211,7 @@ class UnrolledObjective(nn.Module):
         if draft_vocab and self.drafter.draft_to_target is not None:
             weight = weight[self.drafter.draft_to_target.to(weight.device)]
         logits = F.linear(features.to(device=weight.device, dtype=weight.dtype), weight).float()
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits.to(features.device)
+        return softcap_logits(logits, softcap).to(features.device)
 
     @torch.no_grad()
     def greedy_tokens(self, features: torch.Tensor, chunk: int = 1024) -> torch.LongTensor:
