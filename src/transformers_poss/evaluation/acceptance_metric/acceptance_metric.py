@@ -23,7 +23,7 @@ Rounds of all generations are pooled.
 _KWARGS_DESCRIPTION = """\
 Args:
     acceptance_lengths (`list` of `list` of `int`): per generation, the accepted draft tokens of each round
-        (e.g. `drafter.last_generation_stats.acceptance_lengths`).
+        (e.g. `output.speculative_stats.acceptance_lengths` of a `generate(..., return_dict_in_generate=True)` call).
     depth (`int`, *optional*): draft positions per round (length of `position_acceptance`); defaults to the longest
         acceptance seen.
 Returns:
