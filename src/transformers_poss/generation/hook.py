@@ -1,17 +1,21 @@
 """The one `generate()` hook: lets `target.generate(..., assistant_model=drafter)` draft with a PosS drafter.
 
 transformers picks its candidate generator from a fixed chain with no registry, and its assisted loop verifies one
-chain only. Three `GenerationMixin` methods are wrapped; each passes straight through unless the assistant is a
-PosS drafter (recognised by `is_poss_drafter` / `config.model_type == "poss"`, not by class, so remote-code loads
-work too):
+chain only. Three `GenerationMixin` methods are wrapped. Each wrapper reports the original's exact signature
+(`generate()` forwards `inputs_tensor` only to a decoding method whose signature names it) and calls the original
+unchanged unless the assistant is a PosS drafter (recognised by `is_poss_drafter` / `config.model_type == "poss"`,
+not by class, so remote-code loads work too). With a PosS drafter:
 
 - `_validate_generation_mode`: checks the request before any work (target compatibility, unsupported options);
 - `_assisted_decoding`: checks the inputs, binds the drafter, and runs the tree loop for `draft_mode="tree"`;
 - `_get_candidate_generator`: returns `PosSCandidateGenerator` for `draft_mode="chain"`.
+
+The originals stay in `_originals`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import transformers
@@ -21,10 +25,15 @@ from transformers.generation.utils import GenerationMixin
 MIN_TRANSFORMERS = "5.24.0"
 MAX_TRANSFORMERS_EXCLUSIVE = "6.0.0"
 
+# The parameters each hooked method must take by keyword: the wrapper finds the assistant through them and the PosS
+# branches read or forward them ("**": a catch-all for model kwargs such as `attention_mask` and `cache`).
 _HOOKED = {
     "_validate_generation_mode": ("generation_mode", "generation_config", "generation_mode_kwargs"),
-    "_assisted_decoding": ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "streamer"),
-    "_get_candidate_generator": ("generation_config", "input_ids", "logits_processor", "assistant_model"),
+    "_assisted_decoding": (
+        "input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer",
+        "inputs_tensor", "assistant_model", "assistant_tokenizer", "tokenizer", "**",
+    ),
+    "_get_candidate_generator": ("generation_config", "logits_processor", "assistant_model"),
 }
 _originals: dict = {}
 
@@ -45,13 +54,23 @@ def check_transformers_version() -> None:
             f"transformers {transformers.__version__} is installed. Install a supported version, e.g. "
             f"pip install 'transformers>={MIN_TRANSFORMERS},<{MAX_TRANSFORMERS_EXCLUSIVE}'."
         )
-    for name, params in _HOOKED.items():
+    for name, needed in _HOOKED.items():
         method = _originals.get(name) or getattr(GenerationMixin, name, None)
-        if method is None or not set(params) <= set(inspect.signature(method).parameters):
+        missing = list(needed) if method is None else _not_taken_by_keyword(method, needed)
+        if missing:
             raise ImportError(
                 f"transformers {transformers.__version__} changed GenerationMixin.{name}, which transformers-poss "
-                "hooks; install a supported transformers version."
+                f"hooks (it no longer takes {', '.join(missing)}); install a supported transformers version."
             )
+
+
+def _not_taken_by_keyword(method, needed) -> list[str]:
+    """The names in `needed` that `method` cannot take by keyword ("**": it has no `**kwargs` catch-all)."""
+    parameters = inspect.signature(method).parameters.values()
+    taken = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        taken.add("**")
+    return [name for name in needed if name not in taken]
 
 
 def _unsupported_options(generation_config, generation_mode_kwargs) -> list[str]:
@@ -101,66 +120,102 @@ def check_sliding_window(target, drafter, prompt_length: int, max_length: int) -
             )
 
 
+def _poss_validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+    """PosS checks before any work, then transformers' own."""
+    validate_request(self, generation_mode_kwargs["assistant_model"], generation_config, generation_mode_kwargs)
+    return _originals["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
+
+
+def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    """Check the inputs (`input_ids` is `[1, prompt_len]`), bind the drafter, run the chain or tree loop."""
+    drafter = kwargs.get("assistant_model")
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"generate() with a PosS drafter supports batch size 1, got a batch of {input_ids.shape[0]}: "
+            "call generate once per prompt."
+        )
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError(
+            "generate() with a PosS drafter does not support padded inputs (an attention_mask with zeros); "
+            "pass the prompt without padding."
+        )
+    check_sliding_window(self, drafter, input_ids.shape[1], generation_config.max_length)
+    if getattr(drafter, "follow_target", True):
+        drafter.bind_target(self)
+    else:
+        drafter.bind_target(self, move=False)
+    drafter.eval()
+    if drafter.config.draft_mode == "chain":
+        return _originals["_assisted_decoding"](
+            self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
+        )
+    from .tree_decoding import tree_assisted_decoding
+
+    kwargs.pop("assistant_model")
+    for unused in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
+        kwargs.pop(unused, None)
+    return tree_assisted_decoding(
+        self, input_ids, logits_processor, stopping_criteria, generation_config, drafter, **kwargs
+    )
+
+
+def _poss_get_candidate_generator(self, generation_config, logits_processor, assistant_model, **unused):
+    """The chain-mode candidate generator."""
+    from .candidate_generator import PosSCandidateGenerator
+
+    return PosSCandidateGenerator(assistant_model, generation_config, logits_processor)
+
+
+def _assistant_in(arguments: dict):
+    """The assistant a hooked call names: `assistant_model`, or the one inside `generation_mode_kwargs`."""
+    if "assistant_model" in arguments:
+        return arguments["assistant_model"]
+    return (arguments.get("generation_mode_kwargs") or {}).get("assistant_model")
+
+
+def _wrap(original, poss_branch):
+    """`original` behind a PosS switch, with `original`'s exact signature.
+
+    `generate()` forwards some arguments (`inputs_tensor`) only when the decoding method's signature names them, so
+    the wrapper reports the original's signature. Unless the assistant is a PosS drafter, the original is called
+    exactly as the wrapper was; otherwise `poss_branch(self, **arguments)` gets every argument by name (bound with the
+    original's signature, a `**kwargs` catch-all merged in).
+    """
+    signature = inspect.signature(original)
+    signature_without_self = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        try:
+            bound = signature_without_self.bind(*args, **kwargs)
+        except TypeError:  # a call the original rejects: let it say why
+            return original(self, *args, **kwargs)
+        arguments = {}
+        for name, value in bound.arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)
+            else:
+                arguments[name] = value
+        if not is_poss_drafter(_assistant_in(arguments)):
+            return original(self, *args, **kwargs)
+        return poss_branch(self, **arguments)
+
+    wrapper.__signature__ = signature
+    return wrapper
+
+
+_POSS_BRANCHES = {
+    "_validate_generation_mode": _poss_validate_generation_mode,
+    "_assisted_decoding": _poss_assisted_decoding,
+    "_get_candidate_generator": _poss_get_candidate_generator,
+}
+
+
 def install_generate_hook() -> None:
     """Wrap the three `GenerationMixin` methods (idempotent). Raises `ImportError` on unsupported transformers."""
     check_transformers_version()
     if _originals:
         return
-    for name in _HOOKED:
+    for name, poss_branch in _POSS_BRANCHES.items():
         _originals[name] = getattr(GenerationMixin, name)
-
-    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        drafter = generation_mode_kwargs.get("assistant_model")
-        if is_poss_drafter(drafter):
-            validate_request(self, drafter, generation_config, generation_mode_kwargs)
-        return _originals["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
-
-    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs):
-        drafter = kwargs.get("assistant_model")
-        if not is_poss_drafter(drafter):
-            return _originals["_assisted_decoding"](
-                self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
-            )
-        if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"generate() with a PosS drafter supports batch size 1, got a batch of {input_ids.shape[0]}: "
-                "call generate once per prompt."
-            )
-        if kwargs.get("attention_mask") is not None:
-            raise ValueError(
-                "generate() with a PosS drafter does not support padded inputs (an attention_mask with zeros); "
-                "pass the prompt without padding."
-            )
-        check_sliding_window(self, drafter, input_ids.shape[1], generation_config.max_length)
-        if getattr(drafter, "follow_target", True):
-            drafter.bind_target(self)
-        else:
-            drafter.bind_target(self, move=False)
-        drafter.eval()
-        if drafter.config.draft_mode == "chain":
-            return _originals["_assisted_decoding"](
-                self, input_ids, logits_processor, stopping_criteria, generation_config, *args, **kwargs
-            )
-        from .tree_decoding import tree_assisted_decoding
-
-        kwargs.pop("assistant_model")
-        for unused in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
-            kwargs.pop(unused, None)
-        return tree_assisted_decoding(
-            self, input_ids, logits_processor, stopping_criteria, generation_config, drafter, **kwargs
-        )
-
-    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 assistant_model=None, *args, **kwargs):
-        if not is_poss_drafter(assistant_model):
-            return _originals["_get_candidate_generator"](
-                self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                assistant_model, *args, **kwargs,
-            )
-        from .candidate_generator import PosSCandidateGenerator
-
-        return PosSCandidateGenerator(assistant_model, generation_config, logits_processor)
-
-    GenerationMixin._validate_generation_mode = _validate_generation_mode
-    GenerationMixin._assisted_decoding = _assisted_decoding
-    GenerationMixin._get_candidate_generator = _get_candidate_generator
+        setattr(GenerationMixin, name, _wrap(_originals[name], poss_branch))
