@@ -15,12 +15,17 @@ The originals stay in `_originals`.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 
 import transformers
 from packaging import version
-from transformers.generation.utils import GenerationMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from .candidate_generator import PosSCandidateGenerator
+from .stats import PosSGenerateOutput
+from .tree_decoding import tree_assisted_decoding
 
 MIN_TRANSFORMERS = "5.24.0"
 MAX_TRANSFORMERS_EXCLUSIVE = "6.0.0"
@@ -36,6 +41,8 @@ _HOOKED = {
     "_get_candidate_generator": ("generation_config", "logits_processor", "assistant_model"),
 }
 _originals: dict = {}
+# The chain-mode candidate generator of the `generate` call in progress (set around transformers' assisted loop).
+_chain_generator: contextvars.ContextVar = contextvars.ContextVar("poss_chain_generator", default=None)
 
 
 def is_poss_drafter(model) -> bool:
@@ -97,7 +104,7 @@ def _unsupported_options(generation_config, generation_mode_kwargs) -> list[str]
 
 def validate_request(target, drafter, generation_config, generation_mode_kwargs) -> None:
     """All checks that can run before any forward pass; raises `ValueError`."""
-    drafter.config.check_settings()
+    drafter.generation_config.validate()
     drafter.check_compatible(target)
     problems = _unsupported_options(generation_config, generation_mode_kwargs)
     if problems:
@@ -106,12 +113,13 @@ def validate_request(target, drafter, generation_config, generation_mode_kwargs)
 
 def check_sliding_window(target, drafter, prompt_length: int, max_length: int) -> None:
     """Tree verification compacts the KV cache; on sliding-window layers that is exact only inside the window."""
-    if drafter.config.draft_mode != "tree":
+    settings = drafter.generation_config
+    if settings.draft_mode != "tree":
         return
     text_config = target.config.get_text_config()
     window = getattr(text_config, "sliding_window", None)
     if "sliding_attention" in (getattr(text_config, "layer_types", None) or []) and window is not None:
-        needed = max(max_length, prompt_length) + drafter.config.tree_total_tokens + drafter.config.lookup_num_tokens
+        needed = max(max_length, prompt_length) + settings.tree_total_tokens + settings.lookup_num_tokens
         if needed > window:
             raise ValueError(
                 f"This target has sliding-window layers (window {window}); tree verification is exact only while "
@@ -140,17 +148,22 @@ def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria
             "pass the prompt without padding."
         )
     check_sliding_window(self, drafter, input_ids.shape[1], generation_config.max_length)
-    if getattr(drafter, "follow_target", True):
-        drafter.bind_target(self)
-    else:
-        drafter.bind_target(self, move=False)
+    drafter.bind_target(self)
     drafter.eval()
-    if drafter.config.draft_mode == "chain":
-        return _originals["_assisted_decoding"](
-            self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
-        )
-    from .tree_decoding import tree_assisted_decoding
-
+    if drafter.generation_config.draft_mode == "chain":
+        # transformers' own loop asks `_get_candidate_generator` for the generator; it gets this one, whose
+        # statistics then travel on the output.
+        generator = PosSCandidateGenerator(drafter, generation_config, logits_processor)
+        token = _chain_generator.set(generator)
+        try:
+            out = _originals["_assisted_decoding"](
+                self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
+            )
+        finally:
+            _chain_generator.reset(token)
+        if isinstance(out, GenerateDecoderOnlyOutput):
+            return PosSGenerateOutput(**out, speculative_stats=generator.stats)
+        return out
     kwargs.pop("assistant_model")
     for unused in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
         kwargs.pop(unused, None)
@@ -160,10 +173,11 @@ def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria
 
 
 def _poss_get_candidate_generator(self, generation_config, logits_processor, assistant_model, **unused):
-    """The chain-mode candidate generator."""
-    from .candidate_generator import PosSCandidateGenerator
-
-    return PosSCandidateGenerator(assistant_model, generation_config, logits_processor)
+    """The chain-mode candidate generator: the one `_poss_assisted_decoding` prepared for this call."""
+    generator = _chain_generator.get()
+    if generator is None or generator.drafter is not assistant_model:
+        generator = PosSCandidateGenerator(assistant_model, generation_config, logits_processor)
+    return generator
 
 
 def _assistant_in(arguments: dict):
