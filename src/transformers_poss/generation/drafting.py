@@ -7,8 +7,13 @@ Positions. The target has processed tokens `x_0 .. x_{L-2}` and produced feature
 `S - 1 + d` with its parent's predicted feature.
 
 Caches. The layer inputs `fc(...)` of the committed context are stored once. Specialist `s` keeps its own keys and
-values (layer `s` of one `DynamicCache`), caught up lazily over the context the first time a round reaches it, then
+values (layer `s` of a `DraftKVCache`), caught up lazily over the context the first time a round reaches it, then
 the draft levels of the current round on top; `end_round` drops the draft levels.
+
+Cost. A draft round works in buffers that grow only when a call needs more room: the context's layer inputs, each
+specialist's keys and values (written in place, never concatenated), the round's node inputs, positions and
+node-to-node attention mask, and the scored candidates. Shapes per depth are static (the frontier is always
+`min(top_k, draft vocabulary)` wide) and nothing is read back to the host until the tree is assembled.
 """
 
 from __future__ import annotations
@@ -16,9 +21,50 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache
+from torch.nn import functional as F
 
-from ..modeling_poss import PosSDrafter, additive_mask, cache_length
+from ..modeling_poss import PosSDrafter, additive_mask
+
+
+def _grown(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`buffer` if it holds at least `rows` along `dim`, else a buffer twice that size (shaped like `like` elsewhere)
+    with the old contents copied."""
+    if buffer is not None and buffer.shape[dim] >= rows:
+        return buffer
+    shape = list(like.shape)
+    shape[dim] = max(2 * rows, 16)
+    grown = like.new_empty(shape)
+    if buffer is not None:
+        grown.narrow(dim, 0, buffer.shape[dim]).copy_(buffer)
+    return grown
+
+
+class DraftKVCache:
+    """Keys and values of the drafter's specialists, one layer each, written in place into growing buffers.
+
+    It speaks the one cache method transformers' attention layers call, `update(keys, values, layer_idx)`, with
+    `keys`/`values` `[1, H_kv, q, D]`, and returns the layer's keys/values so far `[1, H_kv, length, D]` (views).
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * num_layers
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        start, end = self.lengths[layer_idx], self.lengths[layer_idx] + key_states.shape[-2]
+        self.keys[layer_idx] = keys = _grown(self.keys[layer_idx], end, key_states, dim=-2)
+        self.values[layer_idx] = values = _grown(self.values[layer_idx], end, value_states, dim=-2)
+        keys[..., start:end, :].copy_(key_states)
+        values[..., start:end, :].copy_(value_states)
+        self.lengths[layer_idx] = end
+        return keys[..., :end, :], values[..., :end, :]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.lengths[layer_idx]
+
+    def crop_layer(self, layer_idx: int, length: int) -> None:
+        self.lengths[layer_idx] = length
 
 
 class DraftSession:
@@ -26,24 +72,35 @@ class DraftSession:
 
     def __init__(self, drafter: PosSDrafter):
         self.drafter = drafter
-        self.cache = DynamicCache()
-        self.context_inputs: torch.Tensor | None = None  # [S, H] layer inputs of the committed context
         n = drafter.config.num_specialists
+        self.cache = DraftKVCache(n)
+        self.context_length = 0  # S: committed positions
+        self._context_inputs: torch.Tensor | None = None  # [>= S, H] layer inputs of the committed context
         self.context_cached = [0] * n  # context positions in each specialist's cache
         self.nodes_cached = [0] * n  # round nodes in each specialist's cache (after its context)
         self.context_features: list[torch.Tensor | None] = [None] * n  # each specialist's output at position S - 1
-        self._reset_round()
+        self.node_count = 0  # N: round nodes fed so far
+        self._node_inputs: torch.Tensor | None = None  # [>= N, H]
+        self._node_positions: torch.Tensor | None = None  # [>= N]
+        # Additive node-to-node mask [>= N + 1, >= N]: row i attends to its ancestors and itself (0), nothing else
+        # (-inf); the last row stays all -inf, the row of the root's children's "parent".
+        self._node_mask: torch.Tensor | None = None
+        self._diagonal: torch.Tensor | None = None  # arange of the node capacity
 
     @property
-    def context_length(self) -> int:
-        return 0 if self.context_inputs is None else self.context_inputs.shape[0]
+    def context_inputs(self) -> torch.Tensor:
+        """Layer inputs of the committed context `[S, H]`."""
+        return self._context_inputs[: self.context_length]
 
-    def _reset_round(self) -> None:
-        device, dtype = self.drafter.fc.weight.device, self.drafter.fc.weight.dtype
-        hidden = self.drafter.config.hidden_size
-        self.node_inputs = torch.empty(0, hidden, device=device, dtype=dtype)  # [N, H]
-        self.node_positions = torch.empty(0, dtype=torch.long, device=device)  # [N]
-        self.node_visible = torch.empty(0, 0, dtype=torch.bool, device=device)  # [N, N] ancestor-or-self
+    @property
+    def node_inputs(self) -> torch.Tensor:
+        """Layer inputs of this round's fed nodes `[N, H]`."""
+        return self._node_inputs[: self.node_count]
+
+    @property
+    def node_positions(self) -> torch.LongTensor:
+        """Drafter positions of this round's fed nodes `[N]`."""
+        return self._node_positions[: self.node_count]
 
     @torch.no_grad()
     def commit(self, target_features: torch.Tensor, next_tokens: torch.LongTensor) -> None:
@@ -51,28 +108,45 @@ class DraftSession:
         and the tokens after them `[n]`."""
         features = self.drafter.fuse_features(target_features[None])
         inputs = self.drafter.project(next_tokens[None], features)[0]
-        self.context_inputs = inputs if self.context_inputs is None else torch.cat((self.context_inputs, inputs))
+        end = self.context_length + inputs.shape[0]
+        self._context_inputs = _grown(self._context_inputs, end, inputs)
+        self._context_inputs[self.context_length : end] = inputs
+        self.context_length = end
+
+    def begin_round(self, max_nodes: int) -> None:
+        """Make room for up to `max_nodes` fed nodes this round (buffers grow only when a round needs more)."""
+        if self._node_inputs is not None and self._node_inputs.shape[0] >= max_nodes:
+            return
+        weight = self.drafter.fc.weight
+        capacity = max(max_nodes, 8)
+        self._node_inputs = weight.new_empty(capacity, self.drafter.config.hidden_size)
+        self._node_positions = torch.empty(capacity, dtype=torch.long, device=weight.device)
+        self._node_mask = torch.full((capacity + 1, capacity), torch.finfo(weight.dtype).min, dtype=weight.dtype,
+                                     device=weight.device)
+        self._diagonal = torch.arange(capacity, device=weight.device)
 
     def end_round(self) -> None:
         """Drop this round's draft levels from every specialist cache."""
         for s, cached in enumerate(self.nodes_cached):
             if cached:
-                self.cache.layers[s].crop(-cached)
+                self.cache.crop_layer(s, self.context_cached[s])
         self.nodes_cached = [0] * len(self.nodes_cached)
-        self._reset_round()
+        self.node_count = 0
 
-    def add_nodes(self, inputs: torch.Tensor, positions: torch.LongTensor, parent_nodes: torch.LongTensor) -> None:
-        """Feed round nodes: layer inputs `[n, H]`, positions `[n]`, parent node index `[n]` (-1: the root)."""
-        n_old, n_new = self.node_positions.shape[0], positions.shape[0]
-        visible = torch.zeros(n_old + n_new, n_old + n_new, dtype=torch.bool, device=inputs.device)
-        visible[:n_old, :n_old] = self.node_visible
-        has_parent = parent_nodes >= 0
-        rows = torch.arange(n_old, n_old + n_new, device=inputs.device)
-        visible[rows[has_parent], :n_old] = self.node_visible[parent_nodes[has_parent]]
-        visible[rows, rows] = True
-        self.node_visible = visible
-        self.node_inputs = torch.cat((self.node_inputs, inputs))
-        self.node_positions = torch.cat((self.node_positions, positions))
+    def add_nodes(self, inputs: torch.Tensor, position: int, parent_nodes: torch.LongTensor) -> int:
+        """Feed round nodes: layer inputs `[n, H]`, all at drafter `position`, parent node index `[n]` (-1: the
+        root). Returns the index of the first new node."""
+        first, n = self.node_count, inputs.shape[0]
+        if self._node_inputs is None or first + n > self._node_inputs.shape[0]:
+            raise RuntimeError("DraftSession.begin_round must reserve room for the round's nodes")
+        rows = self._diagonal[first : first + n]
+        self._node_inputs[first : first + n] = inputs
+        self._node_positions[first : first + n] = position
+        parent_rows = torch.where(parent_nodes >= 0, parent_nodes, self._node_mask.shape[0] - 1)
+        self._node_mask[first : first + n] = self._node_mask[parent_rows]
+        self._node_mask[rows, rows] = 0
+        self.node_count = first + n
+        return first
 
     @torch.no_grad()
     def run(self, specialist: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,24 +156,29 @@ class DraftSession:
             (feature predicted at the last context position `[H]`, predicted features of the round nodes it had not
             yet run `[n_new_nodes, H]`).
         """
-        S, N = self.context_length, self.node_positions.shape[0]
+        S, N = self.context_length, self.node_count
         c, r = self.context_cached[specialist], self.nodes_cached[specialist]
-        assert r == 0 or c == S, "a specialist's round nodes must sit on a complete context"
-        device = self.context_inputs.device
-        queries = torch.cat((self.context_inputs[c:S], self.node_inputs[r:N]))
-        positions = torch.cat((torch.arange(c, S, device=device), self.node_positions[r:N]))
+        if c == S and r == N:  # already up to date (a second draft on the same context)
+            return self.context_features[specialist], self._context_inputs[:0]
+        node_mask = self._node_mask[r:N, :N] if N else None
+        if c == S:  # the common case: only this round's new nodes
+            queries, positions = self._node_inputs[r:N], self._node_positions[r:N]
+            mask = F.pad(node_mask, (S, 0))
+        else:  # catch up over new context positions (then every node of the round: its cache has none yet)
+            assert r == 0, "a specialist's round nodes must sit on a complete context"
+            device = self._context_inputs.device
+            context_positions = torch.arange(c, S, device=device)
+            queries, positions = self._context_inputs[c:S], context_positions
+            causal = additive_mask(torch.arange(S, device=device)[None, :] <= context_positions[:, None],
+                                   queries.dtype)[0, 0]
+            mask = F.pad(causal, (0, N), value=torch.finfo(queries.dtype).min)
+            if N:
+                queries = torch.cat((queries, self._node_inputs[:N]))
+                positions = torch.cat((positions, self._node_positions[:N]))
+                mask = torch.cat((mask, F.pad(node_mask, (S, 0))))
+        assert self.cache.get_seq_length(specialist) == c + r
+        out = self.drafter.run_specialist(specialist, queries[None], positions[None], mask[None, None], self.cache)[0]
         n_ctx = S - c
-        if queries.shape[0] == 0:  # already up to date (a second draft on the same context)
-            return self.context_features[specialist], queries
-        allowed = torch.zeros(queries.shape[0], S + N, dtype=torch.bool, device=device)
-        keys = torch.arange(S, device=device)
-        allowed[:n_ctx, :S] = keys[None, :] <= torch.arange(c, S, device=device)[:, None]
-        allowed[n_ctx:, :S] = True
-        allowed[n_ctx:, S:] = self.node_visible[r:N]
-        assert cache_length(self.cache, specialist) == c + r
-        out = self.drafter.run_specialist(
-            specialist, queries[None], positions[None], additive_mask(allowed, queries.dtype), self.cache
-        )[0]
         self.context_cached[specialist], self.nodes_cached[specialist] = S, N
         if n_ctx:
             self.context_features[specialist] = out[n_ctx - 1]
@@ -163,55 +242,51 @@ def draft_tree(session: DraftSession, root_token: torch.LongTensor, depth: int, 
     device = root_token.device
     budget = min(total_tokens - 1, max_tree_nodes(depth, top_k))
     if budget <= 0 or depth <= 0:
-        return _make_tree(root_token, [], [], [], device)
+        return _make_tree(root_token, device)
 
     root_feature, _ = session.run(config.specialist_for_position(1))
     log_probs = _log_probs(drafter, root_feature)  # [V']
-    k = min(top_k, log_probs.shape[-1])
+    k = min(top_k, log_probs.shape[-1])  # the frontier's width at every depth
+    session.begin_round((depth - 1) * k)
+    capacity = k + (depth - 1) * k * k
+    cand_tokens = torch.empty(capacity, dtype=torch.long, device=device)
+    cand_parents = torch.empty(capacity, dtype=torch.long, device=device)
+    cand_depths = torch.empty(capacity, dtype=torch.long, device=device)
+    cand_scores = torch.empty(capacity, dtype=torch.float32, device=device)
     scores, draft_ids = log_probs.topk(k)
-    # Candidates (every scored node): token, cumulative score, parent candidate (-1 root), depth.
-    cand_tokens, cand_scores = [drafter.to_target_ids(draft_ids)], [scores]
-    cand_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-    cand_depths = [torch.ones(k, dtype=torch.long, device=device)]
+    cand_tokens[:k] = drafter.to_target_ids(draft_ids)
+    cand_scores[:k] = scores
+    cand_parents[:k] = -1
+    cand_depths[:k] = 1
     frontier = torch.arange(k, device=device)  # candidate indices
+    frontier_scores, frontier_tokens = scores, cand_tokens[:k]
     frontier_features = root_feature.expand(k, -1)
-    frontier_parent_nodes = torch.full((k,), -1, dtype=torch.long, device=device)  # fed-node index of parent
-    n_candidates = k
-    all_tokens = cand_tokens[0]
-    all_scores = cand_scores[0]
+    frontier_nodes = torch.full((k,), -1, dtype=torch.long, device=device)  # fed-node index of each one's parent
+    count = k
     for d in range(2, depth + 1):
-        first_node = session.node_positions.shape[0]
-        inputs = drafter.project(all_tokens[frontier][None], frontier_features[None])[0]
-        positions = torch.full((frontier.shape[0],), session.context_length + d - 2, dtype=torch.long, device=device)
-        session.add_nodes(inputs, positions, frontier_parent_nodes)
+        inputs = drafter.project(frontier_tokens[None], frontier_features[None])[0]
+        first = session.add_nodes(inputs, session.context_length + d - 2, frontier_nodes)
         _, node_features = session.run(config.specialist_for_position(d))
-        node_features = node_features[-frontier.shape[0]:]
-        log_probs = _log_probs(drafter, node_features)  # [F, V']
-        k_child = min(top_k, log_probs.shape[-1])
-        child_scores, child_ids = log_probs.topk(k_child, dim=-1)  # [F, k]
-        cumulative = (all_scores[frontier][:, None] + child_scores).reshape(-1)
-        parents = frontier.repeat_interleave(k_child)
-        cand_tokens.append(drafter.to_target_ids(child_ids.reshape(-1)))
-        cand_scores.append(cumulative)
-        cand_parents.append(parents)
-        cand_depths.append(torch.full_like(parents, d))
-        new_indices = torch.arange(n_candidates, n_candidates + cumulative.shape[0], device=device)
-        n_candidates += cumulative.shape[0]
-        all_tokens = torch.cat(cand_tokens)
-        all_scores = torch.cat(cand_scores)
-        if d == depth:
-            break
-        keep = cumulative.topk(min(top_k, cumulative.shape[0])).indices
-        frontier = new_indices[keep]
-        frontier_features = node_features[keep // k_child]
-        frontier_parent_nodes = first_node + keep // k_child
+        node_features = node_features[-k:]
+        child_scores, child_ids = _log_probs(drafter, node_features).topk(k, dim=-1)  # [k, k]
+        cumulative = (frontier_scores[:, None] + child_scores).reshape(-1)
+        new = slice(count, count + k * k)
+        cand_tokens[new] = drafter.to_target_ids(child_ids.reshape(-1))
+        cand_scores[new] = cumulative
+        cand_parents[new] = frontier.repeat_interleave(k)
+        cand_depths[new] = d
+        if d < depth:
+            frontier_scores, keep = cumulative.topk(k)
+            frontier = count + keep
+            frontier_tokens = cand_tokens[frontier]
+            parent_of_kept = keep // k
+            frontier_features = node_features[parent_of_kept]
+            frontier_nodes = first + parent_of_kept
+        count += k * k
 
-    parents_all = torch.cat(cand_parents)
-    depths_all = torch.cat(cand_depths)
-    chosen = select_candidates(all_scores, budget)
-    tree = _make_tree(root_token, all_tokens[chosen], parents_all[chosen], depths_all[chosen], device, chosen)
-    tree.candidates = DraftCandidates(all_tokens, parents_all, depths_all, all_scores)
-    return tree
+    candidates = DraftCandidates(cand_tokens[:count], cand_parents[:count], cand_depths[:count], cand_scores[:count])
+    chosen = select_candidates(candidates.scores, budget)
+    return _make_tree(root_token, device, candidates, chosen, depth)
 
 
 def select_candidates(scores: torch.Tensor, budget: int) -> torch.LongTensor:
@@ -225,26 +300,28 @@ def max_tree_nodes(depth: int, top_k: int) -> int:
     return top_k + max(depth - 1, 0) * top_k * top_k
 
 
-def _make_tree(root_token, tokens, cand_parents, depths, device, chosen=None) -> DraftTree:
-    """Assemble a `DraftTree` from chosen candidates (their parent indices refer to candidate numbering)."""
-    n = 1 + (len(tokens) if chosen is not None else 0)
+def _make_tree(root_token, device, candidates: DraftCandidates | None = None, chosen=None, depth: int = 0) -> DraftTree:
+    """A `DraftTree` of the root and the `chosen` candidates `[n - 1]` (closed under ancestors, in creation order)
+    of at most `depth` levels."""
     root = root_token.reshape(1).to(device)
-    if n == 1:
+    if candidates is None:
         return DraftTree(root, torch.tensor([-1], device=device), torch.zeros(1, dtype=torch.long, device=device),
                          torch.ones(1, 1, dtype=torch.bool, device=device))
-    # Remap candidate parent ids to tree indices (root = 0, chosen[i] -> i + 1).
-    remap = torch.full((int(chosen.max()) + 2,), -1, dtype=torch.long, device=device)
-    remap[chosen] = torch.arange(1, n, device=device)
-    parents = torch.where(cand_parents >= 0, remap[cand_parents.clamp(min=0)], torch.zeros_like(cand_parents))
-    parents = torch.cat((torch.tensor([-1], device=device), parents))
+    n = 1 + chosen.shape[0]
+    nodes = torch.arange(n, device=device)
+    # Candidate parent ids -> tree indices (root 0, chosen[i] -> i + 1); the root's children get 0.
+    remap = torch.zeros(candidates.tokens.shape[0] + 1, dtype=torch.long, device=device)
+    remap[chosen + 1] = nodes[1:]
+    parents = torch.cat((nodes[:1] - 1, remap[candidates.parents[chosen] + 1]))
+    # Ancestor-or-self by pointer jumping: `level` walks one parent up per step (the root points to itself).
+    step = parents.clamp(min=0)
     visible = torch.zeros(n, n, dtype=torch.bool, device=device)
-    visible[0, 0] = True
-    parent_list = parents.tolist()
-    for i in range(1, n):  # parents come first, so their rows are complete
-        visible[i] = visible[parent_list[i]]
-        visible[i, i] = True
-    return DraftTree(torch.cat((root, tokens)), parents,
-                     torch.cat((torch.zeros(1, dtype=torch.long, device=device), depths)), visible)
+    level = nodes
+    for _ in range(depth + 1):
+        visible[nodes, level] = True
+        level = step[level]
+    depths = torch.cat((torch.zeros(1, dtype=torch.long, device=device), candidates.depths[chosen]))
+    return DraftTree(torch.cat((root, candidates.tokens[chosen])), parents, depths, visible, candidates)
 
 
 LOOKUP_MIN_NGRAM = 2
@@ -307,6 +384,7 @@ def draft_chain(session: DraftSession, depth: int, pick) -> tuple[list[torch.Ten
     """
     drafter, config = session.drafter, session.drafter.config
     tokens, logits = [], []
+    session.begin_round(depth - 1)
     feature, _ = session.run(config.specialist_for_position(1))
     for level in range(1, depth + 1):
         draft_index, processed = pick(level, drafter.logits(feature).float())
@@ -316,9 +394,8 @@ def draft_chain(session: DraftSession, depth: int, pick) -> tuple[list[torch.Ten
         if level == depth:
             break
         inputs = drafter.project(token.reshape(1, 1), feature.reshape(1, 1, -1))[0]
-        position = torch.tensor([session.context_length + level - 1], device=inputs.device)
         parent = torch.tensor([level - 2], device=inputs.device)  # previous chain node (-1 = root for level 1)
-        session.add_nodes(inputs, position, parent)
+        session.add_nodes(inputs, session.context_length + level - 1, parent)
         _, feature = session.run(config.specialist_for_position(level + 1))
         feature = feature[-1]
     return tokens, logits
