@@ -1,4 +1,4 @@
-"""The target the measuring examples time: the default target, or random weights of any architecture on any device.
+"""The target the measurement scripts time: the default target, or random weights of any architecture on any device.
 
 Kernel timings and rounding depend on the weights' shapes, not their values, so `--config FOLDER` measures a
 target's architecture on a machine that lacks its weights (a model folder or its config.json; no download).

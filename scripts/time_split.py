@@ -3,8 +3,8 @@
 Runs on a tiny random Llama target with a freshly initialised PosS drafter (seconds, no downloads), or on a real
 target and drafter given as paths:
 
-    python examples/time_split.py
-    python examples/time_split.py --target PATH --drafter PATH --prompt "Explain KV caches." --max-new-tokens 64
+    python scripts/time_split.py
+    python scripts/time_split.py --target PATH --drafter PATH --prompt "Explain KV caches." --max-new-tokens 64
 """
 
 import argparse
@@ -40,9 +40,10 @@ def main():
                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     else:
         target, drafter, input_ids = tiny_setup()
-    drafter.config.draft_mode = args.mode
-    target.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False, assistant_model=drafter)
-    stats = drafter.last_generation_stats
+    out = target.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                          assistant_model=drafter.with_generation_config(draft_mode=args.mode),
+                          return_dict_in_generate=True)
+    stats = out.speculative_stats
     print(f"{'round':>5} {'tree':>5} {'accepted':>8} {'draft ms':>9} {'verify ms':>9} {'bookkeep ms':>11}")
     for i, (size, accepted, d, v, b) in enumerate(zip(stats.tree_sizes, stats.acceptance_lengths, stats.draft_seconds,
                                                       stats.verify_seconds, stats.bookkeeping_seconds)):

@@ -1,4 +1,4 @@
-"""Acceptance metrics, defined once (DESIGN.md section 2) and used by generation stats, benchmark and metric.
+"""Acceptance metrics, defined once and used by generation stats, benchmark and metric.
 
 A *round* drafts some tokens, the target verifies them, and `a` of them are accepted (the bonus token that the
 target adds itself is not counted in `a`).

@@ -1,6 +1,6 @@
 """Does the reduced draft vocabulary pay, and at what size? Tau and speed of one trained drafter at several sizes.
 
-    python examples/draft_vocab_sweep.py --prompts ../shared/data/specbench --datasets mt_bench,gsm8k --limit 2 \
+    python docs/benchmarks/cpu-draft-vocab-sweep/draft_vocab_sweep.py --prompts ../shared/data/specbench --datasets mt_bench,gsm8k --limit 2 \
         --max-new-tokens 64 --dtype float32
 
 The drafter's draft vocabulary is ordered most frequent first, so its first N rows are the draft vocabulary of size
@@ -32,6 +32,7 @@ def with_draft_vocab(drafter: PosSDrafter, size: int | None) -> PosSDrafter:
     config.draft_vocab_size = size
     config.draft_head_rows = own if size is not None and size > own else None  # mapped rows beyond the own ones
     variant = PosSDrafter(config)
+    variant.generation_config = drafter.generation_config.updated()  # the same drafting budget
     head = ("draft_lm_head", "draft_to_target", "draft_head_map")
     variant.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith(head)}, strict=False)
     if size is not None:

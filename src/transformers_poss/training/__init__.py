@@ -62,7 +62,7 @@ here (SmolLM2 features of 418 ShareGPT conversations, single specialist, depth 2
 after 100 steps the per-position validation accuracy (0.218, 0.197) that `--lr 5e-4` needed 206 steps for; raising
 `--soft-ce-weight` from 0.1 to 1.0 at `--lr 2e-3` changed nothing measurable (0.219, 0.192).
 
-Self-distillation, measured here (docs/benchmarks/cpu-bf16-self-distillation-paired): the shipped PosS-2 drafter
+Self-distillation, measured here (docs/HISTORY.md, "Training experiments"): the shipped PosS-2 drafter
 continued 250 steps on 1,056 ShareGPT prompts answered by SmolLM2-135M itself ended 0.011 more accurate (top-1) at
 draft position 1 and 0.018-0.029 at positions 2-6 on held-out prompts answered by the target than the same steps on
 the original ShareGPT answers, which gained nothing (0.005-0.014 on the target's mt_bench answers), with 26% fewer
