@@ -16,6 +16,14 @@ FAMILY_CLASSES = {
     "gemma3_text": ("gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding"),
 }
 DRAFT_MODES = ("tree", "chain")
+# "eagle": EAGLE-1/2, HASS and PosS drafters; "eagle3": EAGLE-3 drafters (see `PosSConfig`).
+DRAFTER_TYPES = ("eagle", "eagle3")
+# Keys of a target's text config that an EAGLE-3 specialist (always a Llama layer, as in every EAGLE-3 release) reads.
+EAGLE3_LAYER_KEYS = (
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act",
+    "initializer_range",
+)
 
 # Keys of the target's text config that say nothing about one decoder layer (kept out of `target_config`).
 _IRRELEVANT_TARGET_KEYS = (
@@ -53,7 +61,8 @@ class PosSConfig(PretrainedConfig):
         positions_per_specialist (`int`): draft positions each specialist serves ("PosS-k"); position `p`
             (1-based) uses specialist `min((p - 1) // k, num_specialists - 1)`. A single specialist is an
             EAGLE-2/HASS drafter.
-        fc_bias (`bool`): whether the input projection `fc: 2H -> H` has a bias.
+        fc_bias (`bool`, *optional*): whether `fc` has a bias; default `True` (EAGLE research code), `False` for
+            EAGLE-3 (every EAGLE-3 reference, and vLLM, builds `fc` without one).
         feature_layers (`list[int]`, *optional*): the target hidden states the drafter reads, as
             `output_hidden_states` indices (0: embeddings, `i`: after decoder layer `i`, `-1`: the final post-norm
             state), ending with `-1`. `None` (default) reads the final state only (EAGLE-1/2, HASS). More than one
@@ -65,6 +74,18 @@ class PosSConfig(PretrainedConfig):
             stores and trains as its own; the other `draft_vocab_size - draft_head_rows` read the target's `lm_head`
             rows through a trained map `draft_head_map` (`(H + 1) * H` parameters for any number of rows), so a
             large draft vocabulary costs little to store. `None` (default) stores every row.
+        drafter_type (`str`): `"eagle"` (default: EAGLE-1/2, HASS, PosS) or `"eagle3"`. An EAGLE-3 drafter reads
+            the target hidden states `feature_layers` (low, mid, high; default `[2, L // 2, L - 3]` for a target of
+            `L` layers, where `i` is the state entering decoder layer `i`), fuses them with `fc: nH -> H`, and each
+            specialist is an EAGLE-3 layer: attention over `concat(norm(embedding), norm(hidden))` (2H) with the
+            hidden state as the residual, then the MLP. It has its own final `norm` and draft head over a draft
+            vocabulary (`draft_vocab_size`, the full vocabulary when unset); later draft positions read the
+            specialist's own output before that norm. The target forward is asked for `feature_layers + [-1]`
+            (`input_feature_layers`): the final state costs nothing there and gives training its target logits.
+        norm_before_residual (`bool`): EAGLE-3 only: the residual around attention is `hidden_norm(hidden)` instead
+            of `hidden` (speculators' option; SafeAILab and SpecForge checkpoints use `False`).
+        draft_layer_config (`dict`, *optional*): EAGLE-3 only: the Llama config of the specialist layers (heads, KV
+            heads, head dim, MLP width, RMSNorm eps, RoPE); defaults to the target's values.
     """
 
     model_type = "poss"
@@ -73,10 +94,13 @@ class PosSConfig(PretrainedConfig):
     target_name_or_path: str | None = None
     num_specialists: int = 1
     positions_per_specialist: int = 1
-    fc_bias: bool = True
+    fc_bias: bool | None = None
     feature_layers: list[int] | None = None
     draft_vocab_size: int | None = None
     draft_head_rows: int | None = None
+    drafter_type: str = "eagle"
+    norm_before_residual: bool = False
+    draft_layer_config: dict | None = None
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -92,6 +116,10 @@ class PosSConfig(PretrainedConfig):
                 "have the target's MLP width"
             )
         self.target_config = {k: v for k, v in (self.target_config or {}).items() if k not in _IRRELEVANT_TARGET_KEYS}
+        if self.drafter_type == "eagle3":
+            self._fill_eagle3_defaults()
+        if self.fc_bias is None:
+            self.fc_bias = self.drafter_type != "eagle3"
         super().__post_init__(**kwargs)
         self.check_settings()
 
@@ -119,9 +147,38 @@ class PosSConfig(PretrainedConfig):
         return self.target_config.get("vocab_size")
 
     @property
+    def is_eagle3(self) -> bool:
+        return self.drafter_type == "eagle3"
+
+    @property
     def input_feature_layers(self) -> list[int]:
-        """The `output_hidden_states` indices of the target features the drafter reads (`[-1]` by default)."""
+        """The `output_hidden_states` indices of the target features the drafter reads, the final state (`-1`)
+        last: `[-1]` by default, `feature_layers` for a fusing drafter, `feature_layers + [-1]` for EAGLE-3."""
+        if self.is_eagle3:
+            return [*self.feature_layers, -1]
         return list(self.feature_layers) if self.feature_layers else [-1]
+
+    @property
+    def layer_family(self) -> str | None:
+        """The model family of the specialist layers: the target's, or `"llama"` for EAGLE-3."""
+        return "llama" if self.is_eagle3 else self.target_model_type
+
+    @property
+    def layer_input_size(self) -> int | None:
+        """Width of a specialist's layer inputs (`PosSDrafter.project`): H, or 2H (embedding, hidden) for EAGLE-3."""
+        return None if self.hidden_size is None else self.hidden_size * (2 if self.is_eagle3 else 1)
+
+    def _fill_eagle3_defaults(self) -> None:
+        """EAGLE-3 defaults read from the target: its layer settings, its low/mid/high states, its vocabulary."""
+        if self.draft_layer_config is None and self.target_config:
+            self.draft_layer_config = {k: self.target_config[k] for k in EAGLE3_LAYER_KEYS if k in self.target_config}
+            if self.target_config.get("model_type") == "gemma3_text":  # gemma names its activation differently
+                self.draft_layer_config["hidden_act"] = self.target_config.get("hidden_activation", "silu")
+        n_layers = self.target_config.get("num_hidden_layers")
+        if self.feature_layers is None and n_layers:
+            self.feature_layers = default_eagle3_feature_layers(n_layers)
+        if self.draft_vocab_size is None:
+            self.draft_vocab_size = self.vocab_size
 
     def specialist_for_position(self, position: int) -> int:
         """Index of the specialist that drafts 1-based draft `position` within a round."""
@@ -130,7 +187,14 @@ class PosSConfig(PretrainedConfig):
         return min((position - 1) // self.positions_per_specialist, self.num_specialists - 1)
 
     def layer_config(self) -> PretrainedConfig:
-        """The target family's config for the drafter's `num_specialists` full-attention decoder layers."""
+        """The target family's config for the drafter's `num_specialists` full-attention decoder layers (a Llama
+        config from `draft_layer_config` for EAGLE-3)."""
+        if self.is_eagle3:
+            fields = {k: v for k, v in copy.deepcopy(self.draft_layer_config).items() if k != "model_type"}
+            config = AutoConfig.for_model("llama", **fields, num_hidden_layers=self.num_specialists,
+                                          attention_bias=False, mlp_bias=False)
+            config._attn_implementation = self._attn_implementation if self._attn_implementation else "sdpa"
+            return config
         fields = copy.deepcopy(self.target_config)
         model_type = fields.pop("model_type")
         fields["num_hidden_layers"] = self.num_specialists
@@ -170,7 +234,13 @@ class PosSConfig(PretrainedConfig):
                 f"{self.draft_vocab_size}] (it needs a draft vocabulary), got {rows!r}"
             )
         self._check_feature_layers()
-        if self.target_config:
+        if self.drafter_type not in DRAFTER_TYPES:
+            raise ValueError(f"PosSConfig.drafter_type must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}")
+        if self.is_eagle3:
+            self._check_eagle3()
+        elif self.norm_before_residual:
+            raise ValueError("PosSConfig.norm_before_residual is an EAGLE-3 setting (drafter_type='eagle3')")
+        if self.target_config and not self.is_eagle3:
             family = self.target_config.get("model_type")
             if family not in FAMILY_CLASSES:
                 raise ValueError(
@@ -180,6 +250,28 @@ class PosSConfig(PretrainedConfig):
                 if not self.target_config.get(key):
                     raise ValueError(f"PosSConfig.target_config lacks {key!r}: it cannot rebuild the drafter layers")
 
+    def _check_eagle3(self) -> None:
+        for key in ("hidden_size", "vocab_size"):
+            if not self.target_config.get(key):
+                raise ValueError(f"PosSConfig.target_config lacks {key!r}: an EAGLE-3 drafter needs the target's {key}")
+        if not self.draft_layer_config:
+            raise ValueError("PosSConfig.draft_layer_config is required for an EAGLE-3 drafter (its layers' settings)")
+        for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
+            if not self.draft_layer_config.get(key):
+                raise ValueError(f"PosSConfig.draft_layer_config lacks {key!r}: the EAGLE-3 layers cannot be built")
+        if self.draft_layer_config["hidden_size"] != self.hidden_size:
+            raise ValueError(
+                f"EAGLE-3 layers of hidden_size {self.draft_layer_config['hidden_size']} cannot read the target's "
+                f"embedding of hidden_size {self.hidden_size} (drafters with their own embedding are not supported)"
+            )
+        if self.feature_layers is None:
+            raise ValueError(
+                "An EAGLE-3 drafter needs feature_layers (the target hidden states fc fuses); the default "
+                "[2, L // 2, L - 3] needs the target's num_hidden_layers L in target_config"
+            )
+        if self.draft_head_rows is not None:
+            raise ValueError("PosSConfig.draft_head_rows maps target lm_head rows; EAGLE-3 drafters own their head")
+
     def _check_feature_layers(self) -> None:
         layers = self.feature_layers
         if layers is None:
@@ -187,14 +279,20 @@ class PosSConfig(PretrainedConfig):
         if (not isinstance(layers, (list, tuple)) or not layers
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
             raise ValueError(f"PosSConfig.feature_layers must be None or a list of integers, got {layers!r}")
-        if layers[-1] != -1:
+        if self.drafter_type == "eagle3":
+            if -1 in layers:
+                raise ValueError(
+                    f"PosSConfig.feature_layers of an EAGLE-3 drafter name the states fc fuses; the final state (-1) "
+                    f"is always read besides them. Got {list(layers)}"
+                )
+        elif layers[-1] != -1:
             raise ValueError(
                 f"PosSConfig.feature_layers must end with -1 (the target's final hidden state, which the drafter "
                 f"predicts), got {list(layers)}"
             )
         n_layers = (self.target_config or {}).get("num_hidden_layers")
         if n_layers:
-            resolved = [i if i >= 0 else n_layers + 1 + i for i in layers]
+            resolved = [i if i >= 0 else n_layers + 1 + i for i in self.input_feature_layers]
             if any(not 0 <= i <= n_layers for i in resolved) or len(set(resolved)) != len(resolved):
                 raise ValueError(
                     f"PosSConfig.feature_layers {list(layers)} must be distinct hidden-state indices of a target with "
@@ -210,6 +308,18 @@ class PosSConfig(PretrainedConfig):
             target_name_or_path=kwargs.pop("target_name_or_path", getattr(target_config, "_name_or_path", None)),
             **kwargs,
         )
+
+
+def default_eagle3_feature_layers(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high target states for a target of `num_hidden_layers` layers: the states entering
+    decoder layers `2, L // 2, L - 3` (`output_hidden_states` indices; SafeAILab, SpecForge and vLLM agree)."""
+    layers = [2, num_hidden_layers // 2, num_hidden_layers - 3]
+    if not layers[0] < layers[1] < layers[2]:
+        raise ValueError(
+            f"EAGLE-3's default feature layers [2, L // 2, L - 3] need a target of at least 7 layers, this one has "
+            f"{num_hidden_layers}: pass feature_layers"
+        )
+    return layers
 
 
 class PosSGenerationConfig(GenerationConfig):

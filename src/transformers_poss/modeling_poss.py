@@ -5,6 +5,9 @@ The drafter reads the target's last hidden state (after the final norm) `f_t` an
 into logits. With `config.feature_layers`, the target's `f_t` is a learned fusion of several of its hidden states.
 Its decoder layers are the target family's own transformers classes, without the norm before attention. The token
 embedding and `lm_head` are the target's: they are bound by `bind_target` and never saved with the drafter.
+
+With `config.drafter_type == "eagle3"` the drafter is an EAGLE-3 drafter (`Eagle3DecoderLayer` specialists, its own
+final norm and draft head; see `PosSConfig`): the same methods, with layer inputs of width 2H (`layer_input_size`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput
 
 from .configuration_poss import FAMILY_CLASSES, LEGACY_RECORD_KEYS, PosSConfig, PosSGenerationConfig
@@ -59,6 +63,46 @@ def causal_allowed(query_len: int, past_len: int, device) -> torch.Tensor:
     keys = torch.arange(past_len + query_len, device=device)
     queries = torch.arange(query_len, device=device) + past_len
     return keys[None, :] <= queries[:, None]
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """An EAGLE-3 specialist: layer inputs `[B, S, 2H]` = `concat(embedding, hidden)` -> features `[B, S, H]`.
+
+    Attention reads `concat(input_layernorm(embedding), hidden_norm(hidden))` (its q/k/v projections take 2H) and
+    adds its output to the residual `hidden` (`hidden_norm(hidden)` with `norm_before_residual`); then the Llama MLP
+    block (`post_attention_layernorm`, `mlp`, residual). Submodule names are the references' (`midlayer.*` in
+    SafeAILab/SpecForge checkpoints, `layers.0.*` in speculators ones).
+    """
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, norm_before_residual: bool = False):
+        super().__init__()
+        hidden = config.hidden_size
+        self.hidden_size = hidden
+        self.norm_before_residual = norm_before_residual
+        self.self_attn = LlamaAttention(config, layer_idx)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            narrow = getattr(self.self_attn, name)
+            setattr(self.self_attn, name, nn.Linear(2 * hidden, narrow.out_features, bias=narrow.bias is not None))
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+
+    def attention_inputs(self, layer_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[..., 2H]` layer inputs -> (attention input `[..., 2H]`, residual `[..., H]`)."""
+        embeds, hidden = layer_inputs.split(self.hidden_size, dim=-1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat((self.input_layernorm(embeds), normed), dim=-1), residual
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        """`hidden_states`: the layer inputs `[B, S, 2H]`; the other arguments as for a transformers decoder layer."""
+        attention_input, residual = self.attention_inputs(hidden_states)
+        attended, _ = self.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
+                                     attention_mask=attention_mask, cache=cache, **kwargs)
+        hidden = residual + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 @dataclass
@@ -115,10 +159,13 @@ class PosSDrafter(PosSPreTrainedModel):
     """PosS drafter: `fc(concat(embed(x_{t+1}), f_t))` then the specialist layer for the draft position.
 
     Attributes:
-        fc: `Linear(2H -> H)`, shared by all specialists.
+        fc: `Linear(2H -> H)`, shared by all specialists; for EAGLE-3, `Linear(nH -> H)` over the target's low/mid/high
+            hidden states (`fuse_features`).
         fuse: only with several `config.feature_layers`: `Linear(nH -> H)` from the concatenated target hidden
             states to the feature space (initialised to pass the final state through).
-        specialists: `num_specialists` decoder layers of the target family (input norm removed).
+        specialists: `num_specialists` decoder layers of the target family (input norm removed), or
+            `Eagle3DecoderLayer`s.
+        norm: EAGLE-3 only: the final RMSNorm before the draft head.
         draft_lm_head: only with `config.draft_vocab_size`: `Linear(H -> Vd)` over the draft vocabulary, whose
             token ids in the target vocabulary are the `draft_to_target` buffer; `Linear(H -> R)` over its first
             `R = config.draft_head_rows` tokens when that is set.
@@ -143,14 +190,23 @@ class PosSDrafter(PosSPreTrainedModel):
     def __init__(self, config: PosSConfig):
         super().__init__(config)
         layer_config = config.layer_config()
-        layer_class, rotary_class = family_classes(config.target_model_type)
+        layer_class, rotary_class = family_classes(config.layer_family)
         hidden = config.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
-        n_feature_layers = len(config.input_feature_layers)
-        self.fuse = nn.Linear(n_feature_layers * hidden, hidden, bias=False) if n_feature_layers > 1 else None
-        self.specialists = nn.ModuleList(layer_class(layer_config, layer_idx=i) for i in range(config.num_specialists))
-        for layer in self.specialists:
-            layer.input_layernorm = nn.Identity()
+        if config.is_eagle3:
+            self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=config.fc_bias)
+            self.fuse = None
+            self.specialists = nn.ModuleList(Eagle3DecoderLayer(layer_config, i, config.norm_before_residual)
+                                             for i in range(config.num_specialists))
+            self.norm = LlamaRMSNorm(hidden, eps=layer_config.rms_norm_eps)
+        else:
+            self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+            n_feature_layers = len(config.input_feature_layers)
+            self.fuse = nn.Linear(n_feature_layers * hidden, hidden, bias=False) if n_feature_layers > 1 else None
+            self.specialists = nn.ModuleList(layer_class(layer_config, layer_idx=i)
+                                             for i in range(config.num_specialists))
+            for layer in self.specialists:
+                layer.input_layernorm = nn.Identity()
+            self.norm = None
         self.rotary_emb = rotary_class(config=layer_config)
         self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         self.draft_lm_head = self.draft_head_map = None
@@ -274,9 +330,11 @@ class PosSDrafter(PosSPreTrainedModel):
             "hidden_size": (expected.get("hidden_size"), target_config.hidden_size),
             "vocab_size": (expected.get("vocab_size"), target_model.get_output_embeddings().weight.shape[0]),
         }
-        if self.fuse is not None:  # hidden-state indices mean the same layers only in a target of the same depth
+        if len(self.config.input_feature_layers) > 1:  # hidden-state indices name the same layers only at one depth
             facts["num_hidden_layers"] = (expected.get("num_hidden_layers"), target_config.num_hidden_layers)
         for name, (drafter_value, target_value) in facts.items():
+            if drafter_value is None and self.config.is_eagle3:  # EAGLE-3 checkpoints need not name the family
+                continue
             if drafter_value != target_value:
                 raise ValueError(
                     f"This PosS drafter was built for a target with {name}={drafter_value!r}, but the target model "
@@ -324,6 +382,18 @@ class PosSDrafter(PosSPreTrainedModel):
             self._init_weights(self.draft_head_map)
 
     # ---- the pieces of a forward -------------------------------------------------------------------------------
+    @property
+    def layer_input_size(self) -> int:
+        """Width of `project`'s layer inputs: H, or 2H (embedding, hidden) for an EAGLE-3 drafter."""
+        return self.config.layer_input_size
+
+    def attention_inputs(self, specialist: int, layer_inputs: torch.Tensor) -> torch.Tensor:
+        """What `specialist`'s attention projections read from layer inputs `[..., layer_input_size]`."""
+        layer = self.specialists[specialist]
+        if self.config.is_eagle3:
+            return layer.attention_inputs(layer_inputs)[0]
+        return layer.input_layernorm(layer_inputs)
+
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
         """Target token embeddings `[B, S] -> [B, S, H]`, on the drafter's device and dtype."""
         self._require_bound()
@@ -338,23 +408,28 @@ class PosSDrafter(PosSPreTrainedModel):
     def fuse_features(self, target_features: torch.Tensor) -> torch.Tensor:
         """Target features `[..., nH]` (see `target_features`) -> feature-space inputs `[..., H]`.
 
-        The states before the final one are taken from the residual stream, whose scale varies by token and layer
+        EAGLE-3: `fc` over the `feature_layers` states (the final state, the last `H` columns, is not read).
+        Otherwise the states before the final one are taken from the residual stream, whose scale varies by token and layer
         (SmolLM2-135M: RMS 3-10, single values up to 2.5e4 at layer 16): each is RMS-normalised (no weight) first.
         The final state is already normalised and passes as it is.
         """
         target_features = target_features.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        hidden = self.config.hidden_size
+        if self.config.is_eagle3:
+            return self.fc(target_features[..., :-hidden])
         if self.fuse is None:
             return target_features
-        hidden = self.config.hidden_size
         lower, final = target_features[..., :-hidden], target_features[..., -hidden:]
         lower = lower.unflatten(-1, (-1, hidden))
         lower = nn.functional.rms_norm(lower.float(), (hidden,), eps=1e-6).to(final.dtype).flatten(-2)
         return self.fuse(torch.cat((lower, final), dim=-1))
 
     def project(self, input_ids: torch.LongTensor, features: torch.Tensor) -> torch.Tensor:
-        """Layer inputs `fc(concat(embed(input_ids), features))`: `[B, S]`, `[B, S, H]` -> `[B, S, H]`."""
+        """Layer inputs `fc(concat(embed(input_ids), features))`: `[B, S]`, `[B, S, H]` -> `[B, S, H]`; for EAGLE-3
+        `concat(embed(input_ids), features)` `[B, S, 2H]` (the specialist normalises each half)."""
         features = features.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
-        return self.fc(torch.cat((self.embed(input_ids), features), dim=-1))
+        joined = torch.cat((self.embed(input_ids), features), dim=-1)
+        return joined if self.config.is_eagle3 else self.fc(joined)
 
     def run_specialist(
         self,
@@ -368,7 +443,7 @@ class PosSDrafter(PosSPreTrainedModel):
 
         Args:
             specialist: index in `[0, num_specialists)`.
-            layer_inputs: `[B, S, H]` outputs of `project`.
+            layer_inputs: `[B, S, layer_input_size]` outputs of `project`.
             position_ids: `[B, S]` target positions of the inputs.
             attention_mask: additive float `[B, 1, S, past + S]` (see `additive_mask`); `None` means causal.
             cache: drafter cache; layer `specialist` of it holds this specialist's past keys/values.
@@ -395,7 +470,10 @@ class PosSDrafter(PosSPreTrainedModel):
         )
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Draft logits `[..., H] -> [..., V]` (target `lm_head`) or `[..., Vd]` with a draft vocabulary."""
+        """Draft logits `[..., H] -> [..., V]` (target `lm_head`) or `[..., Vd]` with a draft vocabulary (after the
+        final `norm` for EAGLE-3)."""
+        if self.norm is not None:
+            features = self.norm(features)
         if self.draft_head_map is not None:
             mapped = self.draft_head_map(features)  # [..., H + 1]
             rows = self.mapped_head_rows()  # [Vd - R, H]

@@ -92,7 +92,8 @@ def _record_sets(drafter: PosSDrafter, specialist: int, sets: list[torch.Tensor]
     mask = torch.zeros(1, 1, hidden.shape[1], 1, dtype=hidden.dtype, device=hidden.device)
     store.record_only = True
     try:
-        attention(hidden_states=hidden, position_embeddings=_position_embeddings(drafter, hidden, positions),
+        attention(hidden_states=drafter.attention_inputs(specialist, hidden),
+                  position_embeddings=_position_embeddings(drafter, hidden, positions),
                   attention_mask=mask, cache=store)
     finally:
         store.record_only = False
