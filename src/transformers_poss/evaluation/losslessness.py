@@ -1,20 +1,31 @@
-"""Losslessness checks: token identity with plain greedy `generate`, and greedy consistency (DESIGN.md section 5).
+"""Losslessness checks: token identity with plain greedy `generate`, and greedy consistency.
 
 Identity is a float32 property. In bfloat16 a forward over k tokens rounds differently from k one-token forwards, so
-multi-token verification can flip near-ties; there the benchmark also checks *greedy consistency*: the target, run
-once teacher-forced over the returned sequence, ranks every generated token within `tolerance` logits of its argmax.
+a multi-token verification can rank a near-tie the other way than plain decoding does, and the answers part there.
+*Greedy consistency* says whether that is all that happened: every token of an answer must be plain greedy
+`generate`'s own choice given the answer's prefix, or lose to that choice by at most `tolerance` logits.
+
+The reference is plain `generate`'s own computation (a prefill of the prompt, then one token per forward), not a
+single teacher-forced forward over the whole answer: that forward is a multi-token forward too, so it rounds
+differently from plain decoding and puts plain `generate`'s own tokens up to 0.375 logit below its argmax in bf16
+(docs/HISTORY.md, "greedy consistency"). Measured against plain decoding, plain `generate`'s own answer has a gap
+of exactly 0 at every token, by construction.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
-# Logit gap accepted as dtype noise (plain bf16 generate itself shows up to 0.25; fp32 shows 0).
-CONSISTENCY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
+# Largest logit gap counted as rounding noise. bf16: the largest gap a multi-token forward put between plain
+# `generate`'s own token and its argmax, measured over 4-token chunks, 8-token chunks and whole-answer forwards on 24
+# answers of the default target (0.375, `scripts/consistency_noise.py`), with a bf16 rounding step of margin.
+# fp32: such forwards differ by at most 5e-5 in the logits.
+CONSISTENCY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.5}
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
-    return CONSISTENCY_TOLERANCE.get(dtype, 0.25)
+    return CONSISTENCY_TOLERANCE.get(dtype, 0.5)
 
 
 def compare_tokens(reference, candidate) -> dict:
@@ -40,35 +51,69 @@ def compare_tokens(reference, candidate) -> dict:
     }
 
 
+class _ForceAndMeasure(LogitsProcessor):
+    """Records each step's gap between greedy's choice and `tokens[step]`, then forces `tokens[step]`."""
+
+    def __init__(self, tokens: torch.LongTensor):
+        self.tokens = tokens
+        self.gaps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        token = self.tokens[len(self.gaps)]
+        row = scores[0].float()
+        self.gaps.append(float(row.max() - row[token]))
+        forced = torch.full_like(scores, float("-inf"))
+        forced[0, token] = 0.0
+        return forced
+
+
 @torch.no_grad()
-def greedy_consistency(target, sequence: torch.LongTensor, prompt_length: int, tolerance: float) -> dict:
-    """Teacher-force `target` over `sequence` `[L]` and measure each generated token's gap to the argmax.
+def greedy_consistency(target, sequence: torch.LongTensor, prompt_length: int, tolerance: float,
+                       reference=None) -> dict:
+    """How far each generated token of `sequence` is from plain greedy `generate`'s choice at the same prefix.
+
+    Runs plain greedy `target.generate` on the prompt with every next token forced to `sequence`'s, and reads at each
+    step the scores greedy decoding takes the argmax of (after `generate`'s logits processors): a token's gap is
+    `max(scores) - scores[token]`. Wherever `sequence` takes plain `generate`'s choice the gap is 0; where it parts
+    from it, the gap is the margin by which plain `generate` preferred its own token there. Costs one plain
+    `generate` of the same length.
 
     Args:
         sequence: prompt followed by generated tokens, `[L]` (or `[1, L]`).
         prompt_length: tokens of `sequence` that are prompt.
-        tolerance: largest logit gap counted as dtype noise.
+        tolerance: largest gap counted as rounding noise (`default_tolerance(dtype)`).
+        reference: plain greedy `generate`'s own generated tokens for this prompt, when at hand: a sequence equal to
+            them is consistent with every gap 0 by construction, and the target is not run.
     Returns:
-        `{"consistent", "max_gap", "tokens_over" (how many gaps exceed tolerance), "first_over" (index into the
-        generated tokens or None), "checked" (generated tokens checked)}`.
+        `{"consistent", "max_gap", "tokens_over" (gaps above tolerance), "first_over" (index into the generated
+        tokens or None), "not_argmax" (tokens scored below plain generate's choice, gap > 0), "checked" (generated
+        tokens checked), "gaps" (per generated token)}`.
     """
     sequence = sequence.reshape(-1)
     generated = sequence.shape[0] - prompt_length
     if prompt_length < 1 or generated < 0:
         raise ValueError(f"prompt_length {prompt_length} does not fit a sequence of {sequence.shape[0]} tokens")
-    if generated == 0:
-        return {"consistent": True, "max_gap": 0.0, "tokens_over": 0, "first_over": None, "checked": 0}
+    new_tokens = sequence[prompt_length:]
+    if generated == 0 or (reference is not None and compare_tokens(reference, new_tokens)["identical"]):
+        return {"consistent": True, "max_gap": 0.0, "tokens_over": 0, "first_over": None, "not_argmax": 0,
+                "checked": generated, "gaps": [0.0] * generated}
     device = target.get_input_embeddings().weight.device
-    ids = sequence[None].to(device)
-    kwargs = {"logits_to_keep": generated + 1} if target._supports_logits_to_keep() else {}
-    logits = target(input_ids=ids, use_cache=False, **kwargs).logits[0, -generated - 1 : -1].float()  # [n, V]
-    chosen = logits.gather(-1, ids[0, prompt_length:, None]).squeeze(-1)
-    gaps = logits.max(dim=-1).values - chosen
+    prompt = sequence[None, :prompt_length].to(device)
+    measure = _ForceAndMeasure(new_tokens.to(device))
+    # No end-of-sequence stop: a forced end token inside the sequence must not end the check early. Stopping does
+    # not change any forward, so the scores stay plain generate's.
+    target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=generated, min_new_tokens=None,
+                    do_sample=False, eos_token_id=None, stop_strings=None, logits_processor=LogitsProcessorList([measure]))
+    if len(measure.gaps) != generated:
+        raise RuntimeError(f"the forced generate ran {len(measure.gaps)} steps for {generated} tokens")
+    gaps = torch.tensor(measure.gaps)
     over = (gaps > tolerance).nonzero().flatten()
     return {
         "consistent": over.numel() == 0,
         "max_gap": float(gaps.max()),
         "tokens_over": int(over.numel()),
         "first_over": int(over[0]) if over.numel() else None,
+        "not_argmax": int((gaps > 0).sum()),
         "checked": generated,
+        "gaps": measure.gaps,
     }
