@@ -75,12 +75,12 @@ class DraftSession:
         n = drafter.config.num_specialists
         self.cache = DraftKVCache(n)
         self.context_length = 0  # S: committed positions
-        self._context_inputs: torch.Tensor | None = None  # [>= S, H] layer inputs of the committed context
+        self._context_inputs: torch.Tensor | None = None  # [>= S, layer_input_size] inputs of the committed context
         self.context_cached = [0] * n  # context positions in each specialist's cache
         self.nodes_cached = [0] * n  # round nodes in each specialist's cache (after its context)
         self.context_features: list[torch.Tensor | None] = [None] * n  # each specialist's output at position S - 1
         self.node_count = 0  # N: round nodes fed so far
-        self._node_inputs: torch.Tensor | None = None  # [>= N, H]
+        self._node_inputs: torch.Tensor | None = None  # [>= N, layer_input_size]
         self._node_positions: torch.Tensor | None = None  # [>= N]
         # Additive node-to-node mask [>= N + 1, >= N]: row i attends to its ancestors and itself (0), nothing else
         # (-inf); the last row stays all -inf, the row of the root's children's "parent".
@@ -89,12 +89,12 @@ class DraftSession:
 
     @property
     def context_inputs(self) -> torch.Tensor:
-        """Layer inputs of the committed context `[S, H]`."""
+        """Layer inputs of the committed context `[S, layer_input_size]`."""
         return self._context_inputs[: self.context_length]
 
     @property
     def node_inputs(self) -> torch.Tensor:
-        """Layer inputs of this round's fed nodes `[N, H]`."""
+        """Layer inputs of this round's fed nodes `[N, layer_input_size]`."""
         return self._node_inputs[: self.node_count]
 
     @property
@@ -119,7 +119,7 @@ class DraftSession:
             return
         weight = self.drafter.fc.weight
         capacity = max(max_nodes, 8)
-        self._node_inputs = weight.new_empty(capacity, self.drafter.config.hidden_size)
+        self._node_inputs = weight.new_empty(capacity, self.drafter.layer_input_size)
         self._node_positions = torch.empty(capacity, dtype=torch.long, device=weight.device)
         self._node_mask = torch.full((capacity + 1, capacity), torch.finfo(weight.dtype).min, dtype=weight.dtype,
                                      device=weight.device)
@@ -134,7 +134,7 @@ class DraftSession:
         self.node_count = 0
 
     def add_nodes(self, inputs: torch.Tensor, position: int, parent_nodes: torch.LongTensor) -> int:
-        """Feed round nodes: layer inputs `[n, H]`, all at drafter `position`, parent node index `[n]` (-1: the
+        """Feed round nodes: layer inputs `[n, layer_input_size]`, all at drafter `position`, parent node index `[n]` (-1: the
         root). Returns the index of the first new node."""
         first, n = self.node_count, inputs.shape[0]
         if self._node_inputs is None or first + n > self._node_inputs.shape[0]:
