@@ -14,6 +14,7 @@ SUBCOMMAND_MODULES = (
     "transformers_poss.evaluation.compare",
     "transformers_poss.training.cli",
     "transformers_poss.hub",
+    "transformers_poss.export",
     "transformers_poss.tuning",
 )
 

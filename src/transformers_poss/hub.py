@@ -47,6 +47,7 @@ import torch
 
 from .configuration_poss import PosSConfig, PosSGenerationConfig
 from .modeling_poss import PosSDrafter, read_drafter_files
+from .eagle3_checkpoint import convert_eagle3_checkpoint, is_eagle3_checkpoint
 from .research_checkpoint import convert_research_checkpoint
 
 TEMPLATE_NAME = "drafter_card.md"
@@ -371,7 +372,8 @@ def _run_card(args) -> int:
 def _run_convert(args) -> int:
     overrides = {"target_name_or_path": args.target_name_or_path} if args.target_name_or_path else {}
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    drafter = convert_research_checkpoint(
+    convert = convert_eagle3_checkpoint if is_eagle3_checkpoint(args.source) else convert_research_checkpoint
+    drafter = convert(
         args.source, args.destination, num_specialists=args.num_specialists,
         positions_per_specialist=args.positions_per_specialist, target=args.target, overwrite=args.overwrite,
         dtype=dtype, **overrides,
@@ -412,15 +414,18 @@ def add_subcommand(subparsers) -> None:
     card.set_defaults(func=_guarded(_run_card))
 
     convert = subparsers.add_parser(
-        "convert", help="convert an EAGLE/HASS/PosS research checkpoint to a native drafter folder",
-        description="Convert a research checkpoint (EAGLE-1/2, HASS, PosS layout) to a native PosS drafter folder "
-                    "(safetensors, full config.json, model card). See transformers_poss.research_checkpoint.",
+        "convert", help="convert an EAGLE/HASS/PosS or EAGLE-3 checkpoint to a native drafter folder",
+        description="Convert a research checkpoint (EAGLE-1/2, HASS, PosS layout) or an EAGLE-3 checkpoint "
+                    "(SafeAILab, SpecForge / SpecBundle, speculators, PosS on EAGLE-3) to a native PosS drafter "
+                    "folder (safetensors, full config.json, model card). See transformers_poss.research_checkpoint "
+                    "and transformers_poss.eagle3_checkpoint.",
     )
     convert.add_argument("source", help="research checkpoint folder or Hub repo id")
     convert.add_argument("destination", help="output folder (absent or empty)")
     convert.add_argument("--num-specialists", type=int, help="PosS layers (not recorded by PosS checkpoints)")
     convert.add_argument("--positions-per-specialist", type=int, help="the k of PosS-k")
-    convert.add_argument("--target", help="local target model folder: check its embedding equals the stored one")
+    convert.add_argument("--target", help="local target model folder: check its embedding equals the stored one "
+                         "(and, for EAGLE-3, give its depth for the default fused layers)")
     convert.add_argument("--target-name-or-path", help="the target's Hub id, recorded in config and card")
     convert.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                          help="weights dtype (default: the checkpoint's)")

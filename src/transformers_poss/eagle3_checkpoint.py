@@ -1,0 +1,370 @@
+"""Load EAGLE-3 drafters (SafeAILab, SpecForge / SpecBundle, speculators, PosS on EAGLE-3) as native `PosSDrafter`s.
+
+**Layouts.** One folder or Hub repo with `config.json` and one weights file (`model.safetensors` or
+`pytorch_model.bin`). Tensor names and shapes (`H` hidden size, `V` target vocabulary, `Vd` draft vocabulary, `A`
+heads x head dim, `K` KV heads x head dim, `I` MLP width, `n` fused target states, 3 in every release):
+
+| | SafeAILab EAGLE-3 | SpecForge / SpecBundle | speculators (`speculators_model_type: eagle3`) | PosS on EAGLE-3 (inferred) |
+|---|---|---|---|---|
+| layer prefix | `midlayer.` | `midlayer.` | `layers.0.` | `midlayer.{i}.` or `layers.{i}.`, one per specialist |
+| q / k / v | `[A, 2H]` / `[K, 2H]` / `[K, 2H]` | same | same | same, every layer |
+| o, MLP | `o_proj [H, A]`, `gate/up [I, H]`, `down [H, I]` | same | same | same |
+| norms | `input_layernorm`, `hidden_norm`, `post_attention_layernorm` `[H]` | same | same | same |
+| fusion | `fc.weight [H, nH]`, no bias | same | same (old speculators builds: `fc.bias`) | same |
+| head | `norm.weight [H]`, `lm_head.weight [Vd, H]` | same | same | same |
+| vocab map | `d2t [Vd]` int64, `t2d [V]` bool | same | same | same |
+| embedding | not saved (frozen, excluded) | not saved | `embed_tokens.weight [V, H]` may be saved | not saved |
+| layer config | top level (a Llama config, `draft_vocab_size`) | top level, `architectures: LlamaForCausalLMEagle3` | `transformer_layer_config` | top level |
+| residual | `hidden` | `hidden` | `norm_before_residual` | `hidden` |
+
+Sources: SafeAILab/EAGLE `eagle/model/cnets.py` (`LlamaDecoderLayeremb`, `Model`: `fc` without bias, `norm`,
+`lm_head`, `d2t`/`t2d` buffers, drafting with `topk_index + d2t[topk_index]`, later steps fed `out_hidden`, the
+pre-norm output), `eagle/traineagle3/main.py` (`save_16bit_model(exclude_frozen_parameters=True)`: no embedding;
+steps weighted `0.8 ** i`), `eagle/traineagle3/cnets.py` (`d2t[i] = used_tokens[i] - i`, `t2d` the mask of used
+tokens; soft cross-entropy over the draft vocabulary masked where the target's top token is outside it),
+`eagle/traineagle3/config.json` (no `rope_theta`: RoPE base 10000), `eagle/model/modeling_llama_kv.py` (the fused
+states enter decoder layers `2, L // 2, L - 3`); sgl-project/SpecForge `specforge/modeling/draft/llama3_eagle.py`
+(same layer, `midlayer`, `fc` without bias), `scripts/train_eagle3*.py` (checkpoints drop every `embed` key),
+`configs/*-eagle3.json` (`LlamaForCausalLMEagle3`, Llama layer also for Qwen targets), `specforge/modeling/target/
+eagle3_target_model.py` (outputs of layers `1, L // 2 - 1, L - 4`, i.e. the same states); vllm-project/speculators
+`src/speculators/models/eagle3/config.py` and `core.py` (`transformer_layer_config`, `norm_before_residual`
+default `False`, `eagle_aux_hidden_state_layer_ids`, `speculators_config.{proposal_methods, verifier}`),
+`src/speculators/models/eagle3.py` (`Eagle3DecoderLayer`: with `norm_before_residual` the residual is
+`hidden_norm(hidden)`); vllm-project/vllm `vllm/model_executor/models/llama_eagle3.py` (renames `midlayer.` to
+`layers.0.`, `d2t` to `draft_id_to_target_id`, skips `t2d`, `fc` without bias, `target = arange(Vd) + d2t`) and
+`vllm/transformers_utils/configs/speculators/algos.py` (reads `norm_before_residual`, default `True` when absent).
+The PosS-on-EAGLE-3 release (`HINT-lab/PosS3-E3-Llama3.1-8B-Instruct`, trained with SpecForge) has no published
+code here: its layout is inferred (SpecForge's, one EAGLE-3 layer per specialist) and not verified.
+
+**Conversion.** Layer `i` becomes `specialists.{i}` unchanged; `fc`, `norm` keep their names; `lm_head` becomes
+`draft_lm_head`; the offsets `d2t` become absolute target ids `draft_to_target = arange(Vd) + d2t` (checked against
+`t2d`); a stored embedding is dropped (the target's is used; with `target=` it must equal the target's). The fused
+states are `eagle_aux_hidden_state_layer_ids` when the config names them (speculators, newer SpecForge under
+`eagle_config`), else EAGLE-3's default `[2, L // 2, L - 3]`, which needs the target's depth `L`: from `target=`
+(a model or a local folder), `num_target_layers=`, or a known repo (`EAGLE3_PRESETS`). RoPE, heads, MLP width and
+RMSNorm eps come from the drafter's own config (not the target's). Missing, extra or mis-shaped tensors, a stacked
+drafter (layers after the first reading `H`, not `2H`), attention or MLP biases and layer types other than Llama are
+refused with a `ValueError` before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig, PosSGenerationConfig
+from .modeling_poss import PosSDrafter
+from .research_checkpoint import (
+    _GENERATION_OVERRIDES, _HUB_KWARGS, _LOAD_KWARGS, ResearchCheckpoint, _listing, _read_config, check_embedding_matches,
+    read_research_checkpoint, target_input_embedding,
+)
+
+_LLAMA_3_1_8B_INSTRUCT = "meta-llama/Llama-3.1-8B-Instruct"
+# Hub repo id (lower case) -> (target, the target's num_hidden_layers, positions_per_specialist or None). These
+# checkpoints name neither their target nor its depth, which EAGLE-3's default fused states depend on.
+EAGLE3_PRESETS = {
+    "yuhuili/eagle3-llama3.1-instruct-8b": (_LLAMA_3_1_8B_INSTRUCT, 32, None),
+    "hint-lab/poss3-e3-llama3.1-8b-instruct": (_LLAMA_3_1_8B_INSTRUCT, 32, 3),
+}
+LAYOUT_NAMES = {
+    "safeailab": "EAGLE-3 (SafeAILab)", "specforge": "EAGLE-3 (SpecForge / SpecBundle)",
+    "speculators": "speculators (eagle3)", "poss_eagle3": "PosS on EAGLE-3",
+}
+_CONFIG_OVERRIDES = ("target_name_or_path", "feature_layers")
+
+
+# ---- recognising --------------------------------------------------------------------------------------------------
+def eagle3_config_layout(config: dict) -> str | None:
+    """`"speculators"`, `"eagle3"` (SafeAILab / SpecForge / PosS on EAGLE-3, told apart by their weights) or None."""
+    if config.get("speculators_model_type") is not None:
+        return "speculators"
+    architectures = config.get("architectures") or []
+    if "draft_vocab_size" in config or any("eagle3" in str(a).lower() for a in architectures):
+        return "eagle3"
+    return None
+
+
+def is_eagle3_checkpoint(path_or_id, **hub_kwargs) -> bool:
+    config = _read_config(path_or_id, **hub_kwargs)
+    return config is not None and config.get("model_type") != PosSConfig.model_type and \
+        eagle3_config_layout(config) is not None
+
+
+def _preset(source: str):
+    text = str(source).replace("\\", "/").strip("/").lower()
+    for name, preset in EAGLE3_PRESETS.items():
+        if text == name or f"models--{name.replace('/', '--')}" in text:
+            return preset
+    return None
+
+
+def layer_prefixes(state: dict) -> tuple[str, list[str]]:
+    """`(layout, [prefix of layer i])` from the tensor names: one `midlayer.` (SafeAILab / SpecForge), numbered
+    `midlayer.{i}.` (PosS on EAGLE-3), or `layers.{i}.` (speculators; several = PosS specialists or a stack)."""
+    keys = list(state)
+    if any(k.startswith("midlayer.self_attn.") for k in keys):
+        return "midlayer", ["midlayer."]
+    for stem in ("midlayer", "layers"):
+        indices = sorted({int(k.split(".")[1]) for k in keys if k.startswith(stem + ".") and k.split(".")[1].isdigit()})
+        if indices:
+            if indices != list(range(len(indices))):
+                raise ValueError(f"layers {indices} under '{stem}.' are not numbered 0 .. {len(indices) - 1}")
+            return stem, [f"{stem}.{i}." for i in indices]
+    raise ValueError("no EAGLE-3 layer weights ('midlayer.*' or 'layers.{i}.*') found")
+
+
+# ---- the native config ------------------------------------------------------------------------------------------
+def _layer_fields(checkpoint: ResearchCheckpoint, speculators: bool) -> dict:
+    raw = checkpoint.config.get("transformer_layer_config") if speculators else checkpoint.config
+    if not isinstance(raw, dict):
+        raise ValueError(f"{checkpoint.source}: a speculators config.json needs a transformer_layer_config object")
+    if raw.get("model_type", "llama") != "llama":
+        raise ValueError(
+            f"{checkpoint.source}: EAGLE-3 layers of model_type {raw['model_type']!r} are not supported (Llama only)"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ValueError(f"{checkpoint.source}: EAGLE-3 layers with {flag}=true are not supported")
+    required = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if not raw.get(k)]
+    if required:
+        raise ValueError(f"{checkpoint.source}: the layer config lacks {required}")
+    from transformers import LlamaConfig
+
+    fields = {k: raw[k] for k in EAGLE3_LAYER_KEYS if raw.get(k) is not None}
+    if isinstance(fields.get("rope_scaling"), dict):
+        fields["rope_scaling"] = dict(fields["rope_scaling"])
+    llama = LlamaConfig(**fields).to_dict()
+    return {k: llama[k] for k in EAGLE3_LAYER_KEYS if llama.get(k) is not None}
+
+
+def _target_depth(target) -> int | None:
+    if target is None:
+        return None
+    if hasattr(target, "config"):
+        return target.config.get_text_config().num_hidden_layers
+    config = Path(target) / "config.json"
+    if config.is_file():
+        data = json.loads(config.read_text(encoding="utf-8"))
+        return data.get("text_config", data).get("num_hidden_layers")
+    return None
+
+
+def eagle3_poss_config(checkpoint: ResearchCheckpoint, num_specialists: int | None = None,
+                       positions_per_specialist: int | None = None, target=None,
+                       num_target_layers: int | None = None, **overrides) -> PosSConfig:
+    """The native `PosSConfig` of an EAGLE-3 checkpoint (see the module docstring)."""
+    config = checkpoint.config
+    speculators = eagle3_config_layout(config) == "speculators"
+    if speculators and config["speculators_model_type"] != "eagle3":
+        raise ValueError(
+            f"{checkpoint.source} is a speculators {config['speculators_model_type']!r} drafter; only eagle3 ones load"
+        )
+    layer = _layer_fields(checkpoint, speculators)
+    hidden = layer["hidden_size"]
+    if config.get("target_hidden_size") not in (None, hidden):
+        raise ValueError(
+            f"{checkpoint.source} fuses target states of size {config['target_hidden_size']} into a drafter of size "
+            f"{hidden}: drafters of another width than their target are not supported"
+        )
+    preset = _preset(checkpoint.source)
+    depth = num_target_layers or _target_depth(target) or (preset[1] if preset else None)
+    eagle_config = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
+    feature_layers = overrides.pop("feature_layers", None) or config.get("eagle_aux_hidden_state_layer_ids") \
+        or eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    if feature_layers is None and depth is None:
+        raise ValueError(
+            f"{checkpoint.source} does not say which target hidden states it fuses, and EAGLE-3's default "
+            "[2, L // 2, L - 3] needs the target's depth L: pass target=<model or local folder>, "
+            "num_target_layers=L or feature_layers=[...]"
+        )
+    _, prefixes = layer_prefixes(checkpoint.state_dict)
+    found = len(prefixes)
+    if num_specialists is not None and num_specialists != found:
+        raise ValueError(f"{checkpoint.source} holds {found} EAGLE-3 layer(s), not num_specialists={num_specialists}")
+    if positions_per_specialist is None:
+        positions_per_specialist = config.get("positions_per_specialist") or (preset[2] if preset else None)
+        if positions_per_specialist is None:
+            if found > 1:
+                raise ValueError(
+                    f"{checkpoint.source} holds {found} EAGLE-3 layers: if they are PosS specialists pass "
+                    "positions_per_specialist (the k of PosS-k); stacked drafters cannot run as specialists"
+                )
+            positions_per_specialist = 1
+    target_config = {"hidden_size": hidden, "vocab_size": layer["vocab_size"]}
+    if depth is not None:
+        target_config["num_hidden_layers"] = depth
+    if hasattr(target, "config"):
+        target_config["model_type"] = target.config.get_text_config().model_type
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    overrides.setdefault("target_name_or_path", verifier.get("name_or_path") or (preset[0] if preset else None))
+    return PosSConfig(
+        drafter_type="eagle3", target_config=target_config, draft_layer_config=layer,
+        feature_layers=list(feature_layers) if feature_layers is not None else None,
+        num_specialists=found, positions_per_specialist=positions_per_specialist,
+        fc_bias="fc.bias" in checkpoint.state_dict,
+        norm_before_residual=bool(config.get("norm_before_residual", False)),
+        draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"], **overrides,
+    )
+
+
+# ---- weights ----------------------------------------------------------------------------------------------------
+def _source_names(config: PosSConfig, prefixes: list[str]) -> dict[str, str]:
+    """Native key -> checkpoint key."""
+    with torch.device("meta"):
+        names = list(PosSDrafter(config).state_dict())
+    mapping = {}
+    for name in names:
+        if name.startswith("specialists."):
+            index, rest = name[len("specialists."):].split(".", 1)
+            mapping[name] = prefixes[int(index)] + rest
+        else:
+            mapping[name] = {"draft_lm_head.weight": "lm_head.weight", "draft_to_target": "d2t"}.get(name, name)
+    return mapping
+
+
+def check_eagle3_weights(checkpoint: ResearchCheckpoint, config: PosSConfig) -> dict[str, str]:
+    """Raise `ValueError` listing every missing, extra or mis-shaped tensor; return native key -> checkpoint key."""
+    state = checkpoint.state_dict
+    _, prefixes = layer_prefixes(state)
+    mapping = _source_names(config, prefixes)
+    with torch.device("meta"):
+        native = PosSDrafter(config).state_dict()
+    expected = {mapping[k]: tuple(v.shape) for k, v in native.items()}
+    expected["t2d"] = (config.vocab_size,)
+    optional = {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+    if config.draft_vocab_size == config.vocab_size:  # a full draft vocabulary needs no map
+        optional.update({"d2t": expected.pop("d2t"), "t2d": expected.pop("t2d")})
+    missing = set(expected) - set(state)
+    extra = set(state) - set(expected) - set(optional)
+    wrong = {k: (tuple(state[k].shape), shape) for k, shape in {**expected, **optional}.items()
+             if k in state and tuple(state[k].shape) != shape}
+    if not (missing or extra or wrong):
+        return mapping
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors: {_listing(extra)}")
+    if wrong:
+        problems.append("wrong shapes: " + ", ".join(f"{k} has {got}, expected {want}"
+                                                     for k, (got, want) in sorted(wrong.items())))
+    hint = ""
+    narrow = [p for p in prefixes[1:] if p + "self_attn.q_proj.weight" in state
+              and state[p + "self_attn.q_proj.weight"].shape[-1] == config.hidden_size]
+    if narrow:
+        hint = (" Layers after the first read H, not 2H: this is a stacked EAGLE-3 drafter (layers run in sequence),"
+                " which cannot run as position specialists.")
+    raise ValueError(f"{checkpoint.source} does not match its config: " + "; ".join(problems) + "." + hint)
+
+
+def eagle3_native_state_dict(checkpoint: ResearchCheckpoint, config: PosSConfig,
+                             mapping: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors under native names; `d2t` offsets become absolute ids, checked against `t2d`."""
+    state = checkpoint.state_dict
+    native = {name: state[source] for name, source in mapping.items() if name != "draft_to_target"}
+    size = config.draft_vocab_size
+    offsets = state.get("d2t", torch.zeros(size, dtype=torch.long)).long()
+    ids = torch.arange(size) + offsets
+    if ids.min() < 0 or ids.max() >= config.vocab_size or ids.unique().numel() != size:
+        raise ValueError(f"{checkpoint.source}: d2t does not map the draft vocabulary to distinct target ids")
+    if "t2d" in state:
+        t2d = state["t2d"].bool()
+        if int(t2d.sum()) != size or not bool(t2d[ids].all()):
+            raise ValueError(f"{checkpoint.source}: t2d does not mark exactly the target ids that d2t names")
+    native["draft_to_target"] = ids
+    return native
+
+
+def eagle3_conversion_record(checkpoint: ResearchCheckpoint, layout: str) -> dict:
+    dropped = ["t2d (derived from draft_to_target)"]
+    if "embed_tokens.weight" in checkpoint.state_dict:
+        dropped.append("embed_tokens.weight (the target's embedding is used)")
+    return {
+        "converted_from": checkpoint.source, "source_layout": LAYOUT_NAMES[layout],
+        "source_weights": checkpoint.weights_file,
+        "source_dtype": str(checkpoint.state_dict["fc.weight"].dtype).replace("torch.", "")
+        if "fc.weight" in checkpoint.state_dict else None,
+        "dropped_keys": dropped,
+    }
+
+
+def _layout(checkpoint: ResearchCheckpoint) -> str:
+    if eagle3_config_layout(checkpoint.config) == "speculators":
+        return "speculators"
+    stem, prefixes = layer_prefixes(checkpoint.state_dict)
+    if len(prefixes) > 1:
+        return "poss_eagle3"
+    architectures = checkpoint.config.get("architectures") or []
+    return "specforge" if any("Eagle3" in str(a) for a in architectures) else "safeailab"
+
+
+def load_eagle3_drafter(cls, path_or_id, num_specialists: int | None = None,
+                        positions_per_specialist: int | None = None, target=None,
+                        num_target_layers: int | None = None, **kwargs):
+    """Build a `cls` (a `PosSDrafter`) from an EAGLE-3 checkpoint (module docstring).
+
+    Args:
+        path_or_id: local folder or Hub repo id.
+        num_specialists / positions_per_specialist: PosS on EAGLE-3 settings (layers are counted in the weights).
+        target: optional target model (object or local folder): its depth gives the default fused states, and a
+            stored embedding must equal its embedding.
+        num_target_layers: the target's depth when no `target` is given and the checkpoint does not say.
+        kwargs: hub options, loading options (`dtype`, `device_map`, `attn_implementation`), config overrides
+            (`target_name_or_path`, `feature_layers`) and generation settings (`PosSGenerationConfig` fields).
+    """
+    supported = _HUB_KWARGS + _LOAD_KWARGS + _CONFIG_OVERRIDES + _GENERATION_OVERRIDES
+    unknown = set(kwargs) - set(supported)
+    if unknown:
+        raise ValueError(f"Options {sorted(unknown)} are not supported when loading an EAGLE-3 checkpoint; "
+                         f"supported: {sorted(supported)}")
+    hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    overrides = {k: kwargs.pop(k) for k in _CONFIG_OVERRIDES if k in kwargs}
+    generation = {k: kwargs.pop(k) for k in _GENERATION_OVERRIDES if k in kwargs}
+    checkpoint = read_research_checkpoint(path_or_id, **hub_kwargs)
+    config = eagle3_poss_config(checkpoint, num_specialists, positions_per_specialist, target, num_target_layers,
+                                **overrides)
+    mapping = check_eagle3_weights(checkpoint, config)
+    native = eagle3_native_state_dict(checkpoint, config, mapping)
+    if target is not None and "embed_tokens.weight" in checkpoint.state_dict:
+        check_embedding_matches(checkpoint.state_dict["embed_tokens.weight"], target_input_embedding(target),
+                                checkpoint.source)
+    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None) or "auto"
+    if dtype == "auto":
+        dtype = checkpoint.state_dict["fc.weight"].dtype
+    model, info = cls.from_pretrained(None, config=config, state_dict=native, dtype=dtype,
+                                      output_loading_info=True, **kwargs)
+    if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:  # checked above; never partial
+        raise ValueError(f"Converting {checkpoint.source} left keys unmatched: {info}")
+    model.generation_config = PosSGenerationConfig(**generation)
+    model.training_record = eagle3_conversion_record(checkpoint, _layout(checkpoint))
+    return model
+
+
+def read_if_eagle3_checkpoint(cls, path_or_id, *model_args, num_specialists=None, positions_per_specialist=None,
+                              **kwargs):
+    """The `PosSDrafter.checkpoint_readers` entry: a converted drafter when `path_or_id` holds an EAGLE-3 layout,
+    else `None`."""
+    if not is_eagle3_checkpoint(path_or_id, **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS}):
+        return None
+    if model_args:
+        raise ValueError("positional model arguments are not supported for EAGLE-3 checkpoints")
+    return load_eagle3_drafter(cls, path_or_id, num_specialists=num_specialists,
+                               positions_per_specialist=positions_per_specialist, **kwargs)
+
+
+def convert_eagle3_checkpoint(source, destination, overwrite: bool = False, **kwargs) -> PosSDrafter:
+    """Write a native drafter folder from an EAGLE-3 checkpoint (`load_eagle3_drafter`'s options); returns it."""
+    destination = Path(destination)
+    if destination.exists() and (not destination.is_dir() or any(destination.iterdir())) and not overwrite:
+        raise ValueError(f"{destination} exists and is not empty; choose another folder or pass overwrite=True")
+    drafter = load_eagle3_drafter(PosSDrafter, source, **kwargs)
+    drafter.save_pretrained(destination)
+    return drafter
+
+
+__all__ = [
+    "EAGLE3_PRESETS", "convert_eagle3_checkpoint", "eagle3_config_layout", "is_eagle3_checkpoint",
+    "load_eagle3_drafter", "read_if_eagle3_checkpoint",
+]
