@@ -391,3 +391,47 @@ def test_export_then_import_gives_identical_drafts(tmp_path, capsys):
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError, match="Only EAGLE-3 drafters"):
         export_speculators(PosSDrafter.from_target(target), tmp_path / "eagle2", verifier="x")
+
+
+# ---- training ----------------------------------------------------------------------------------------------------
+def test_training_flag_builds_and_trains_an_eagle3_drafter(tmp_path):
+    """`--drafter-type eagle3`: build_drafter makes an EAGLE-3 drafter (fc without bias, default fused states), the
+    unrolled objective is EAGLE-3's decayed token loss only, it trains, and warm start copies specialist 0 into
+    PosS-on-EAGLE-3 specialists."""
+    from transformers_poss.training import TrainingArguments, UnrolledObjective, build_drafter, warm_start
+    from transformers_poss.training.objective import EAGLE3_STEP_DECAY
+
+    target = eagle3_target("llama")
+    args = TrainingArguments(output_dir=str(tmp_path), target="unused", data="unused", drafter_type="eagle3",
+                             num_specialists=2, positions_per_specialist=2)
+    args.check()
+    drafter, _ = build_drafter(args, target)
+    assert drafter.config.is_eagle3 and drafter.config.fc_bias is False and drafter.config.feature_layers == [2, 4, 5]
+    with pytest.raises(ValueError, match="only the final"):
+        build_drafter(args, target, feature_layers=[-1])
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    loss_mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=drafter.config.input_feature_layers)
+        features = drafter.target_features(out.hidden_states)
+    objective = UnrolledObjective(drafter, depth=4)
+    first = objective(ids, features, loss_mask)
+    assert torch.all(first.feature_loss == 0) and torch.all(first.count > 0)
+    weights = torch.tensor([EAGLE3_STEP_DECAY ** j for j in range(4)], device=first.soft_ce.device)
+    torch.testing.assert_close(first.loss.detach(), (weights * first.soft_ce).sum())
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    for _ in range(15):
+        optimizer.zero_grad()
+        objective(ids, features, loss_mask).loss.backward()
+        optimizer.step()
+    after = objective(ids, features, loss_mask)  # the soft CE of a random target is near its entropy: count hits
+    assert after.loss.item() < first.loss.item() and after.correct.sum() > first.correct.sum() + 20
+
+    single, _ = build_drafter(TrainingArguments(output_dir=str(tmp_path), target="unused", data="unused",
+                                                drafter_type="eagle3"), target)
+    record = warm_start(drafter, single)
+    assert record["source_specialists"] == 1
+    for layer in drafter.specialists:
+        torch.testing.assert_close(layer.self_attn.q_proj.weight, single.specialists[0].self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="eagle3 drafter from a eagle one"):
+        warm_start(drafter, PosSDrafter.from_target(target, fc_bias=False))

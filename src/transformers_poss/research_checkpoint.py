@@ -38,6 +38,9 @@
    (draft mode, tree budget) take `PosSGenerationConfig`'s defaults unless given; `training_record` says where the
    weights came from.
 
+EAGLE-3 layouts (SafeAILab, SpecForge / SpecBundle, speculators, PosS on EAGLE-3) have their own reader and layout
+table, with the reference sources: `transformers_poss.eagle3_checkpoint`.
+
 Safety: `pytorch_model.bin` is read with `torch.load(weights_only=True)` only; a pickle that needs anything but
 tensors is refused. Missing, extra or mis-shaped weights are a `ValueError` listing the keys, never a partial load.
 """
@@ -254,7 +257,10 @@ def check_research_weights(checkpoint: ResearchCheckpoint, config: PosSConfig) -
             "this checkpoint cannot be converted."
         )
     if any(k.startswith("midlayer.") for k in state) or {"d2t", "t2d"} & set(state):
-        raise ValueError(f"{checkpoint.source} looks like an EAGLE-3 checkpoint (midlayer / d2t / t2d): not supported")
+        raise ValueError(
+            f"{checkpoint.source} looks like an EAGLE-3 checkpoint (midlayer / d2t / t2d) whose config.json has no "
+            "draft_vocab_size: add it (the rows of lm_head.weight) so the EAGLE-3 reader (eagle3_checkpoint) takes it"
+        )
     if any(k.startswith("model.layers.") for k in state):
         raise ValueError(f"{checkpoint.source} looks like a full causal LM (keys 'model.layers.*'), not a drafter")
     expected = expected_research_shapes(config)

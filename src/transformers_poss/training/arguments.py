@@ -40,7 +40,13 @@ class TrainingArguments:
     draft_head_rows: int | None = field(default=None, metadata={
         "help": "store and train own head rows for only the first R draft tokens; the others read the target's "
                 "lm_head rows through a trained (H+1) x H map (default: all rows own)"})
-    fc_bias: bool = field(default=True, metadata={"help": "bias in the input projection"})
+    fc_bias: bool = field(default=True, metadata={"help": "bias in the input projection (EAGLE-3: never)"})
+    drafter_type: str = field(default="eagle", metadata={
+        "help": "eagle (EAGLE-2/HASS/PosS layers) or eagle3 (EAGLE-3 layers over the target's low/mid/high states, "
+                "its own norm and head, EAGLE-3's token-level loss; --feature-layers then names the fused states "
+                "ending with -1, default 2,L/2,L-3,-1)"})
+    norm_before_residual: bool = field(default=False, metadata={
+        "help": "EAGLE-3 only: hidden_norm(hidden) as the attention residual (speculators' option)"})
     feature_layers: str | None = field(default=None, metadata={
         "help": "target hidden states the drafter reads, comma separated output_hidden_states indices ending in -1 "
                 "(e.g. 3,16,-1: low, mid and final, fused; default: the final one only, or what --features holds)"})
@@ -125,6 +131,10 @@ class TrainingArguments:
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be >= 1")
         self.feature_layer_list()  # raises on a malformed --feature-layers
+        if self.drafter_type not in ("eagle", "eagle3"):
+            raise ValueError(f"--drafter-type must be eagle or eagle3, got {self.drafter_type!r}")
+        if self.norm_before_residual and self.drafter_type != "eagle3":
+            raise ValueError("--norm-before-residual needs --drafter-type eagle3")
 
 
 def _folder_list(value: str | None) -> list[str]:

@@ -21,10 +21,18 @@ def build_drafter(args: TrainingArguments, target, feature_layers: list[int] | N
     vocabulary is their most frequent assistant tokens, unless the warm start copies or grows the source's.
     Returns (drafter, record of the initialisation: `init_from`, `draft_vocab`)."""
     torch.manual_seed(args.seed)
+    variant = {}
+    if args.drafter_type == "eagle3":  # the states fc fuses; the final one (-1) is read besides them
+        fused = None if feature_layers is None else list(feature_layers)[:-1]
+        if fused == []:
+            raise ValueError("an EAGLE-3 drafter fuses low/mid/high target states: the features hold only the final "
+                             "one; extract them with `poss features --feature-layers 2,L/2,L-3,-1` (L: target depth)")
+        variant = {"drafter_type": "eagle3", "norm_before_residual": args.norm_before_residual, "fc_bias": False}
+        feature_layers = fused
     drafter = PosSDrafter.from_target(
         target, num_specialists=args.num_specialists, positions_per_specialist=args.positions_per_specialist,
-        draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows, fc_bias=args.fc_bias,
-        feature_layers=feature_layers,
+        draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows,
+        **{"fc_bias": args.fc_bias, "feature_layers": feature_layers, **variant},
     )
     budget = drafter.generation_config
     budget.tree_depth, budget.tree_top_k, budget.tree_total_tokens = (
@@ -66,8 +74,15 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
                              f"this one {mine.get(key)!r}")
     if drafter.config.fc_bias != source.config.fc_bias:
         raise ValueError("cannot warm start: fc_bias differs between the drafters")
+    if drafter.config.drafter_type != source.config.drafter_type:
+        raise ValueError(f"cannot warm start a {drafter.config.drafter_type} drafter from a "
+                         f"{source.config.drafter_type} one: their layers differ")
+    if drafter.config.is_eagle3 and drafter.config.feature_layers != source.config.feature_layers:
+        raise ValueError("cannot warm start: the EAGLE-3 drafters fuse different target states")
     with torch.no_grad():
         drafter.fc.load_state_dict(source.fc.state_dict())
+        if drafter.norm is not None:  # EAGLE-3's final norm
+            drafter.norm.load_state_dict(source.norm.state_dict())
         n_source = len(source.specialists)
         for i, layer in enumerate(drafter.specialists):
             layer.load_state_dict(source.specialists[min(i, n_source - 1)].state_dict())

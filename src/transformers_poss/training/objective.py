@@ -24,6 +24,12 @@ Loss of step `j` (mean over its trained positions): `SmoothL1(P_j, f_{t+1})` (me
 `soft_ce_weight * CE(softmax(target logits of f_{t+1}), log_softmax(draft logits of P_j))`, over the draft vocabulary
 (target `lm_head` rows of `draft_to_target` for the target side, the drafter's `draft_lm_head` for the draft side)
 when `config.draft_vocab_size` is set, else over the target vocabulary.
+
+EAGLE-3 drafters (`config.drafter_type == "eagle3"`) predict no target feature: their loss of step `j` is EAGLE-3's
+token-level loss alone, `EAGLE3_STEP_DECAY ** j * CE(...)` over the draft vocabulary, averaged over the trained
+positions whose target top-1 token is in the draft vocabulary (SafeAILab/EAGLE `eagle/traineagle3/cnets.py` masks the
+others out; `eagle/traineagle3/main.py` weights step `j` by `0.8 ** j`); `soft_ce_weight` does not apply. The metrics
+(`correct`, `top_k_hits`, `count`) cover every trained position, as for other drafters.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from ..modeling_poss import PosSDrafter, additive_mask, softcap_logits
+
+EAGLE3_STEP_DECAY = 0.8  # EAGLE-3's weight of unroll step j is 0.8 ** j
 
 
 def unrolled_allowed(length: int, step: int, device=None) -> torch.Tensor:
@@ -245,6 +253,11 @@ class UnrolledObjective(nn.Module):
         else:
             greedy = self.greedy_tokens(goal)
         device = goal.device
+        eagle3 = drafter.config.is_eagle3
+        if eagle3:  # EAGLE-3 trains only where the target's top token can be drafted
+            drafted = torch.zeros(drafter.config.vocab_size, dtype=torch.bool, device=device)
+            drafted[drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=device))] = True
+            in_draft_vocab = drafted[greedy.to(device)]
         total = torch.zeros((), device=device)
         feature_losses, soft_ces, corrects, top_k_hits, counts = [], [], [], [], []
         for step, predicted in enumerate(predictions):
@@ -260,10 +273,17 @@ class UnrolledObjective(nn.Module):
                 top_k_hits.append(torch.zeros((), device=device))
                 counts.append(torch.zeros((), device=device))
                 continue
-            feature_loss = F.smooth_l1_loss(pred.float(), goal[keep], reduction="none").mean(-1).mean()
             logits = drafter.logits(pred).float()
-            soft_ce = -(target_probs[keep] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-            total = total + feature_loss + self.soft_ce_weight * soft_ce
+            token_ce = -(target_probs[keep] * torch.log_softmax(logits, dim=-1)).sum(-1)  # [n]
+            if eagle3:
+                feature_loss = torch.zeros((), device=device)
+                weights = in_draft_vocab[keep].float()
+                soft_ce = (token_ce * weights).sum() / weights.sum().clamp(min=1.0)
+                total = total + EAGLE3_STEP_DECAY ** step * soft_ce
+            else:
+                feature_loss = F.smooth_l1_loss(pred.float(), goal[keep], reduction="none").mean(-1).mean()
+                soft_ce = token_ce.mean()
+                total = total + feature_loss + self.soft_ce_weight * soft_ce
             with torch.no_grad():
                 best = drafter.to_target_ids(logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices)
                 hits = best == greedy[keep][:, None]  # [n, k], best first
