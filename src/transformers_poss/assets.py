@@ -343,7 +343,7 @@ def _demo_turn(target, tokenizer, drafter, messages, max_new_tokens, tolerance) 
     from .evaluation.losslessness import compare_tokens, greedy_consistency
 
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
+                                        return_dict=True)["input_ids"].to(target.device)
     plain, plain_s, _ = _timed_generate(target, ids, max_new_tokens)
     spec, spec_s, stats = _timed_generate(target, ids, max_new_tokens, drafter)
     match = compare_tokens(plain, spec)
@@ -403,7 +403,8 @@ def run_demo(args) -> int:
           f"greedy, up to {args.max_new_tokens} new tokens a turn\n", flush=True)
 
     warm = tokenizer.apply_chat_template([{"role": "user", "content": DEMO_CONVERSATIONS[0][0]}],
-                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    warm = warm["input_ids"].to(target.device)
     _timed_generate(target, warm, 8)
     _timed_generate(target, warm, 8, drafter)
     tolerance = default_tolerance(dtype)
