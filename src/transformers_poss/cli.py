@@ -9,6 +9,7 @@ from pathlib import Path
 
 # Each module defines `add_subcommand(subparsers)` that sets `func` on its parser.
 SUBCOMMAND_MODULES = (
+    "transformers_poss.evaluation.demo",
     "transformers_poss.assets",
     "transformers_poss.evaluation.cli",
     "transformers_poss.evaluation.compare",

@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-consistency", action="store_true",
                         help="skip the teacher-forced greedy-consistency check")
     parser.add_argument("--tolerance", type=float, default=None,
-                        help="greedy-consistency logit tolerance (default 0.25 in bf16/fp16, 1e-3 in fp32)")
+                        help="greedy-consistency logit tolerance (default 0.5 in bf16/fp16, 1e-3 in fp32)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the turns as plain text")
     parser.add_argument("--output-dir", default=None,
                         help="where results.json, results.md and the plots go (default runs/bench-TIME)")

@@ -233,7 +233,7 @@ def markdown_table(rows: list[dict]) -> str:
              "in draft vocab = share of the answer tokens inside the drafter's reduced draft vocabulary (no draft can "
              "propose the others).",
              "identical = greedy answers equal to the baseline's token for token; consistent = every generated token "
-             "within the dtype tolerance of the target's argmax when teacher-forced."]
+             "plain greedy generate's own choice at its prefix, or within the dtype tolerance of it."]
     mismatched = [row for row in rows if row.get("mismatches") and row["dataset"] != ALL]
     for row in mismatched:
         where = ", ".join(f"{m['question_id']}/turn {m['turn']} @ token {m['first_mismatch']}"
