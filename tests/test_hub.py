@@ -430,14 +430,14 @@ def _edit_safetensors(folder, edit):
 @pytest.mark.parametrize(
     "edit, settings, message",
     [
-        (lambda s: s.pop("layers.0.mlp.up_proj.weight"), {}, r"missing keys: layers\.0\.mlp\.up_proj\.weight"),
+        (lambda s: s.pop("layers.0.mlp.up_proj.weight"), {}, r"missing tensors: layers\.0\.mlp\.up_proj\.weight"),
         (lambda s: s.update({"layers.0.mlp.up_proj.weight": torch.zeros(7, 64)}), {},
          r"layers\.0\.mlp\.up_proj\.weight has \(7, 64\), expected \(128, 64\)"),
-        (lambda s: s.update({"lm_head.weight": torch.zeros(VOCAB, 64)}), {}, r"unexpected keys: lm_head\.weight"),
-        (lambda s: s.pop("fc.bias"), {}, r"missing keys: fc\.bias.*bias=True"),
+        (lambda s: s.update({"lm_head.weight": torch.zeros(VOCAB, 64)}), {}, r"unexpected tensors: lm_head\.weight"),
+        (lambda s: s.pop("fc.bias"), {}, r"missing tensors: fc\.bias.*bias=True"),
         (lambda s: s.update({"layers.0.input_layernorm.weight": torch.ones(64)}), {}, "input norms before attention"),
-        (None, {"num_specialists": 2, "positions_per_specialist": 1}, r"unexpected keys: layers\.2\..*hold 3 layer"),
-        (None, {}, r"unexpected keys: layers\.1\..*num_specialists"),
+        (None, {"num_specialists": 2, "positions_per_specialist": 1}, r"unexpected tensors: layers\.2\..*hold 3 layer"),
+        (None, {}, r"unexpected tensors: layers\.1\..*num_specialists"),
         (None, {"num_specialists": 3}, "Pass positions_per_specialist"),
     ],
 )

@@ -57,8 +57,8 @@ import torch
 from .configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig, PosSGenerationConfig
 from .modeling_poss import PosSDrafter
 from .research_checkpoint import (
-    _GENERATION_OVERRIDES, _HUB_KWARGS, _LOAD_KWARGS, ResearchCheckpoint, _listing, _read_config, check_embedding_matches,
-    read_research_checkpoint, target_input_embedding,
+    _GENERATION_OVERRIDES, _HUB_KWARGS, _LOAD_KWARGS, ResearchCheckpoint, _read_config, check_embedding_matches,
+    read_research_checkpoint, target_input_embedding, tensor_problems,
 )
 
 _LLAMA_3_1_8B_INSTRUCT = "meta-llama/Llama-3.1-8B-Instruct"
@@ -236,20 +236,9 @@ def check_eagle3_weights(checkpoint: ResearchCheckpoint, config: PosSConfig) -> 
     optional = {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}
     if config.draft_vocab_size == config.vocab_size:  # a full draft vocabulary needs no map
         optional.update({"d2t": expected.pop("d2t"), "t2d": expected.pop("t2d")})
-    missing = set(expected) - set(state)
-    extra = set(state) - set(expected) - set(optional)
-    wrong = {k: (tuple(state[k].shape), shape) for k, shape in {**expected, **optional}.items()
-             if k in state and tuple(state[k].shape) != shape}
-    if not (missing or extra or wrong):
+    problems = tensor_problems(state, expected, optional)
+    if not problems:
         return mapping
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {_listing(missing)}")
-    if extra:
-        problems.append(f"unexpected tensors: {_listing(extra)}")
-    if wrong:
-        problems.append("wrong shapes: " + ", ".join(f"{k} has {got}, expected {want}"
-                                                     for k, (got, want) in sorted(wrong.items())))
     hint = ""
     narrow = [p for p in prefixes[1:] if p + "self_attn.q_proj.weight" in state
               and state[p + "self_attn.q_proj.weight"].shape[-1] == config.hidden_size]

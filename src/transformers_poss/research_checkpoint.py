@@ -264,20 +264,9 @@ def check_research_weights(checkpoint: ResearchCheckpoint, config: PosSConfig) -
     if any(k.startswith("model.layers.") for k in state):
         raise ValueError(f"{checkpoint.source} looks like a full causal LM (keys 'model.layers.*'), not a drafter")
     expected = expected_research_shapes(config)
-    missing = set(expected) - set(state)
-    extra = set(state) - set(expected)
-    wrong = {k: (tuple(state[k].shape), shape) for k, shape in expected.items() if k in state}
-    wrong = {k: shapes for k, shapes in wrong.items() if shapes[0] != shapes[1]}
-    if not (missing or extra or wrong):
+    problems = tensor_problems(state, expected)
+    if not problems:
         return
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_listing(missing)}")
-    if extra:
-        problems.append(f"unexpected keys: {_listing(extra)}")
-    if wrong:
-        shapes = (f"{k} has {got}, expected {want}" for k, (got, want) in sorted(wrong.items()))
-        problems.append("wrong shapes: " + ", ".join(shapes))
     hint = ""
     found = checkpoint.layer_indices
     if len(found) != config.num_specialists:
@@ -285,9 +274,29 @@ def check_research_weights(checkpoint: ResearchCheckpoint, config: PosSConfig) -
             f" The weights hold {len(found)} layer(s) ({found}) and the drafter expects {config.num_specialists}: a "
             "PosS checkpoint needs `num_specialists` and `positions_per_specialist` (they are not in its config.json)."
         )
-    elif "fc.bias" in missing or "fc.bias" in extra:
+    elif ("fc.bias" in state) != ("fc.bias" in expected):
         hint = f" config.json says bias={checkpoint.fc_bias}; the fc bias in the weights disagrees."
     raise ValueError(f"{checkpoint.source} does not match its config: " + "; ".join(problems) + "." + hint)
+
+
+def tensor_problems(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]],
+                    optional: dict[str, tuple[int, ...]] | None = None) -> list[str]:
+    """What is wrong with a checkpoint's tensors against the `expected` names and shapes (`optional` ones may be
+    absent): missing, unexpected and mis-shaped tensors, each as one phrase; empty when nothing is."""
+    optional = optional or {}
+    missing = set(expected) - set(state)
+    extra = set(state) - set(expected) - set(optional)
+    wrong = {k: (tuple(state[k].shape), shape) for k, shape in {**expected, **optional}.items()
+             if k in state and tuple(state[k].shape) != shape}
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if extra:
+        problems.append(f"unexpected tensors: {_listing(extra)}")
+    if wrong:
+        problems.append("wrong shapes: " + ", ".join(f"{k} has {got}, expected {want}"
+                                                     for k, (got, want) in sorted(wrong.items())))
+    return problems
 
 
 def research_poss_config(
