@@ -140,13 +140,15 @@ def test_unsupported_generate_options_fail_before_any_work(kwargs, match):
     assert counter.calls == 0
 
 
-def test_batch_and_padding_fail_before_any_work():
+def test_chain_mode_batch_and_padding_fail_before_any_work():
+    """Chain mode verifies one unpadded prompt; batches and padded prompts are refused, naming tree mode (which
+    takes them: tests/test_batches.py)."""
     target = tiny_target("llama")
-    drafter = PosSDrafter.from_target(target)
+    drafter = PosSDrafter.from_target(target).with_generation_config(draft_mode="chain")
     counter = _ForwardCounter(target)
-    with pytest.raises(ValueError, match="batch size 1"):
+    with pytest.raises(ValueError, match="draft_mode='tree'"):
         target.generate(_ids([1, 2, 3], [4, 5, 6]), max_new_tokens=5, assistant_model=drafter)
-    with pytest.raises(ValueError, match="padded"):
+    with pytest.raises(ValueError, match="draft_mode='tree'"):
         target.generate(_ids([0, 2, 3]), attention_mask=_ids([0, 1, 1]), max_new_tokens=5,
                         assistant_model=drafter)
     assert counter.calls == 0

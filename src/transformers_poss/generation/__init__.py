@@ -1,5 +1,7 @@
-"""Generation with PosS drafters: the generate() hook, chain candidate generator, draft trees, tree verification."""
+"""Generation with PosS drafters: the generate() hook, chain candidate generator, draft trees, tree verification
+(one prompt or a batch)."""
 
+from .batch_decoding import batch_tree_assisted_decoding
 from .candidate_generator import PosSCandidateGenerator
 from .drafting import DraftSession, DraftTree, draft_chain, draft_tree
 from .hook import install_generate_hook, is_poss_drafter
@@ -8,5 +10,5 @@ from .tree_decoding import tree_assisted_decoding
 
 __all__ = [
     "DraftSession", "DraftTree", "GenerationStats", "PosSCandidateGenerator", "PosSGenerateOutput", "draft_chain", "draft_tree",
-    "install_generate_hook", "is_poss_drafter", "tree_assisted_decoding",
+    "batch_tree_assisted_decoding", "install_generate_hook", "is_poss_drafter", "tree_assisted_decoding",
 ]

@@ -7,7 +7,8 @@ unchanged unless the assistant is a PosS drafter (recognised by `is_poss_drafter
 not by class, so remote-code loads work too). With a PosS drafter:
 
 - `_validate_generation_mode`: checks the request before any work (target compatibility, unsupported options);
-- `_assisted_decoding`: checks the inputs, binds the drafter, and runs the tree loop for `draft_mode="tree"`;
+- `_assisted_decoding`: checks the inputs, binds the drafter, and runs the tree loop for `draft_mode="tree"` (the
+  batched tree loop for a batch or padded prompt);
 - `_get_candidate_generator`: returns `PosSCandidateGenerator` for `draft_mode="chain"`.
 
 The originals stay in `_originals`.
@@ -25,6 +26,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 
 from .candidate_generator import PosSCandidateGenerator
 from .stats import PosSGenerateOutput
+from .batch_decoding import batch_tree_assisted_decoding, left_padding
 from .tree_decoding import tree_assisted_decoding
 
 MIN_TRANSFORMERS = "5.24.0"
@@ -135,18 +137,13 @@ def _poss_validate_generation_mode(self, generation_mode, generation_config, gen
 
 
 def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    """Check the inputs (`input_ids` is `[1, prompt_len]`), bind the drafter, run the chain or tree loop."""
+    """Check the inputs (`input_ids` is `[B, prompt_len]`), bind the drafter, run the chain, tree or batched tree loop
+    (a batch, or a padded prompt, in tree mode)."""
     drafter = kwargs.get("assistant_model")
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"generate() with a PosS drafter supports batch size 1, got a batch of {input_ids.shape[0]}: "
-            "call generate once per prompt."
-        )
-    if kwargs.get("attention_mask") is not None:
-        raise ValueError(
-            "generate() with a PosS drafter does not support padded inputs (an attention_mask with zeros); "
-            "pass the prompt without padding."
-        )
+    attention_mask = kwargs.get("attention_mask")
+    batched = input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))
+    if batched:
+        _check_batch_request(drafter, generation_config, attention_mask, kwargs.get("streamer"))
     check_sliding_window(self, drafter, input_ids.shape[1], generation_config.max_length)
     drafter.bind_target(self)
     drafter.eval()
@@ -167,9 +164,36 @@ def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria
     kwargs.pop("assistant_model")
     for unused in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
         kwargs.pop(unused, None)
+    if batched:
+        kwargs.pop("streamer", None)
+        return batch_tree_assisted_decoding(
+            self, input_ids, logits_processor, stopping_criteria, generation_config, drafter, **kwargs
+        )
+    kwargs.pop("attention_mask", None)
     return tree_assisted_decoding(
         self, input_ids, logits_processor, stopping_criteria, generation_config, drafter, **kwargs
     )
+
+
+def _check_batch_request(drafter, generation_config, attention_mask, streamer) -> None:
+    """What a batch (or padded prompt) cannot do, refused before any work with the alternative named."""
+    problems = []
+    if drafter.generation_config.draft_mode != "tree":
+        problems.append(
+            f"draft_mode={drafter.generation_config.draft_mode!r} (it verifies one unpadded prompt; use "
+            "draft_mode='tree', e.g. assistant_model=drafter.with_generation_config(draft_mode='tree'))"
+        )
+    if streamer is not None:
+        problems.append("a streamer (rows advance by different numbers of tokens; stream one prompt at a time)")
+    per_step_outputs = generation_config.output_scores or generation_config.output_logits
+    if generation_config.return_dict_in_generate and per_step_outputs:
+        problems.append("output_scores / output_logits (rows advance by different numbers of tokens; generate one "
+                        "prompt at a time for per-step scores)")
+    if problems:
+        raise ValueError("generate() with a PosS drafter on a batch or padded prompt does not support: "
+                         + "; ".join(problems))
+    if attention_mask is not None:
+        left_padding(attention_mask)
 
 
 def _poss_get_candidate_generator(self, generation_config, logits_processor, assistant_model, **unused):

@@ -52,6 +52,18 @@ class GenerationStats:
     lookup_tokens: int = 0
     round_traces: list[RoundTrace] | None = None
 
+    @classmethod
+    def pooled(cls, rows: list[GenerationStats]) -> GenerationStats:
+        """The rounds of every row of a batched call as one record (each row's round is one round here)."""
+        traces = [row.round_traces for row in rows if row.round_traces is not None]
+        pooled = cls(draft_mode=rows[0].draft_mode, tree_depth=rows[0].tree_depth,
+                     new_tokens=sum(row.new_tokens for row in rows),
+                     lookup_tokens=sum(row.lookup_tokens for row in rows),
+                     round_traces=[trace for row_traces in traces for trace in row_traces] if traces else None)
+        for name in ("acceptance_lengths", "draft_seconds", "verify_seconds", "bookkeeping_seconds", "tree_sizes"):
+            setattr(pooled, name, [value for row in rows for value in getattr(row, name)])
+        return pooled
+
     def record_round(self, accepted: int, tree_size: int, draft_s: float, verify_s: float, bookkeeping_s: float):
         self.acceptance_lengths.append(int(accepted))
         self.tree_sizes.append(int(tree_size))
@@ -97,6 +109,11 @@ class GenerationStats:
 class PosSGenerateOutput(GenerateDecoderOnlyOutput):
     """What `generate(..., assistant_model=drafter, return_dict_in_generate=True)` returns: transformers' decoder-only
     output (`sequences`, `scores`, `logits`, `past_key_values`) plus the call's `speculative_stats`
-    (`GenerationStats`: tau, per-position acceptance, time split, tree sizes)."""
+    (`GenerationStats`: tau, per-position acceptance, time split, tree sizes).
+
+    For a batch (or padded prompts) `speculative_stats` pools the rounds of every row and `row_stats` holds one
+    `GenerationStats` per row (None for a single unpadded prompt). A batch's verification forward is shared: each row
+    is charged an equal part of its time."""
 
     speculative_stats: GenerationStats | None = None
+    row_stats: list[GenerationStats] | None = None

@@ -173,7 +173,13 @@ def tree_allowed(tree: DraftTree, past: int) -> torch.Tensor:
 
 def tree_attention_mask(model, tree: DraftTree, past: int, device):
     """The 4D additive float mask `[1, 1, n, past + n]` (or Gemma3's per-layer-type dict of it)."""
-    mask = additive_mask(tree_allowed(tree, past).to(device), model.dtype)
+    return attention_mask_for(model, tree_allowed(tree, past)[None].to(device))
+
+
+def attention_mask_for(model, allowed: torch.Tensor):
+    """Bool pattern `[B, q, k]` (True = attend) -> the 4D additive float mask `[B, 1, q, k]` the model takes as is
+    (right for eager and sdpa), or Gemma3's per-layer-type dict of it."""
+    mask = additive_mask(allowed, model.dtype)[0, 0][:, None]
     layer_types = getattr(model.config.get_text_config(), "layer_types", None)
     if layer_types:
         return {layer_type: mask for layer_type in set(layer_types)}
@@ -281,13 +287,20 @@ def _accept_sampling(processed, tree: DraftTree) -> tuple[list[int], torch.Tenso
         path.append(accepted)
 
 
-def compact_cache(cache, keep: torch.LongTensor) -> None:
-    """Keep only positions `keep` (sorted) in every layer of a `DynamicCache` (dim -2)."""
+def compact_cache(cache, keep: torch.LongTensor, rows: torch.LongTensor | None = None) -> None:
+    """Keep only cache slots `keep` (dim -2) in every layer of a `DynamicCache`: `[T']` for every row, or `[B', T']`
+    per row of a batch; with `rows` `[B']`, only those batch rows (dim 0), in that order."""
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
             continue
         index = keep.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, index)
-        layer.values = layer.values.index_select(-2, index)
+        keys, values = layer.keys, layer.values
+        if rows is not None:
+            keys, values = keys.index_select(0, rows.to(keys.device)), values.index_select(0, rows.to(keys.device))
+        if index.dim() == 1:
+            layer.keys, layer.values = keys.index_select(-2, index), values.index_select(-2, index)
+        else:
+            index = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            layer.keys, layer.values = keys.gather(-2, index), values.gather(-2, index)
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = layer.keys.shape[-2]

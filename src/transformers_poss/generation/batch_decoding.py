@@ -1,0 +1,256 @@
+"""Tree verification for a batch of (left-padded) prompts: every row drafts its own tree, one target forward verifies
+them all, every row accepts its own path.
+
+Representation. The target's `DynamicCache` stays rectangular, `[B, H_kv, T, D]`, and *left-padded*: row `b` holds
+its `T - pad[b]` real positions in the last slots, its first `pad[b]` slots are padding. After each round every row
+keeps its context and its accepted path, re-aligned to the right (one gather per layer), so the cache is again
+left-padded with `T` = the longest row. Why: the layout is exactly the one a left-padded prompt starts with (one
+`pad` count per row describes the whole mask; position ids are `T - pad[b]` onwards, as generate's `cumsum - 1`),
+and `T` never exceeds the longest row, so sliding-window layers (Gemma3) see no more slots than a single prompt
+would. Rows that stop (EOS, stopping criteria) leave the batch: their cache rows are dropped in the same gather.
+
+Each row has its own `DraftSession` (the drafter is batch-1 by design), fed from that row's verified nodes. A round
+verifies the trees padded to the largest one; padding nodes attend to themselves only, no real node sees them, and
+they are never accepted.
+
+Finished rows are padded as plain `generate` pads them: with `pad_token_id` after the row's end when generate has an
+EOS criterion; without one, plain generate keeps generating a finished row until every row is done, and so does this
+loop. Each row's stopping criteria and logits processors see that row's own sequence `[1, L_b]` (its left padding
+included), which is the row plain batched generate sees.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..modeling_poss import PosSDrafter
+from .drafting import DraftSession, DraftTree, draft_tree, graft_branch, lookup_continuation
+from .stats import GenerationStats, PosSGenerateOutput, RoundTrace
+from .tree_decoding import (
+    TreeLogits, _accept_greedy, _accept_sampling, _append, _choose, _logits_to_keep, attention_mask_for, compact_cache,
+    keeps_every_tree_row,
+)
+
+
+def left_padding(attention_mask: torch.Tensor) -> torch.LongTensor:
+    """Padding slots per row `[B]` of a left-padded 2D `attention_mask`; `ValueError` for any other padding."""
+    pad = (attention_mask == 0).sum(dim=1)
+    expected = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :] >= pad[:, None]
+    if not torch.equal(attention_mask.bool(), expected) or bool((pad == attention_mask.shape[1]).any()):
+        raise ValueError(
+            "generate() with a PosS drafter takes padded batches with left padding only, every row with at least one "
+            "token: tokenize with padding_side='left'."
+        )
+    return pad
+
+
+class _Row:
+    """One prompt of the batch: its sequence `[1, L_b]` (left padding included), drafter session and statistics."""
+
+    def __init__(self, input_ids: torch.LongTensor, pad: int, drafter: PosSDrafter, stats: GenerationStats):
+        self.input_ids, self.pad = input_ids, pad
+        self.session = DraftSession(drafter)
+        self.stats = stats
+        self.finished_length: int | None = None  # sequence length when a stopping criterion first fired
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def append(self, tokens, processed_rows, stopping_criteria, pads_finished_rows: bool) -> None:
+        """Append tokens `[0-dim]`, checking the stopping criteria (with each token's processed logits `[V]`) until
+        the row finishes.
+
+        A finishing row takes no more tokens when generate pads finished rows, else it takes them all (as plain
+        generate keeps generating it)."""
+        emitted = 0
+        if self.finished_length is None:
+            self.input_ids, emitted, finished = _append(self.input_ids, tokens, processed_rows, stopping_criteria)
+            if finished:
+                self.finished_length = self.length
+        if self.finished_length is not None and not pads_finished_rows and emitted < len(tokens):
+            rest = torch.stack([t.reshape(()) for t in tokens[emitted:]]).to(self.input_ids.device)
+            self.input_ids = torch.cat((self.input_ids, rest[None]), dim=1)
+
+
+def batch_tree_assisted_decoding(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    drafter: PosSDrafter,
+    attention_mask: torch.Tensor | None = None,
+    **model_kwargs,
+):
+    """Speculative tree decoding of a batch `input_ids [B, P]` (left-padded as `attention_mask [B, P]` says).
+
+    Returns the sequences `[B, P + longest]`, or with `return_dict_in_generate` a `PosSGenerateOutput` whose
+    `speculative_stats` pools every row's rounds and whose `row_stats` holds one `GenerationStats` per row.
+    """
+    cache = model_kwargs["cache"]
+    budget = drafter.generation_config
+    device = input_ids.device
+    batch = input_ids.shape[0]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    pad = left_padding(attention_mask)
+    do_sample = bool(generation_config.do_sample)
+    pads_finished_rows = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    feature_layers = drafter.config.input_feature_layers
+    keep_rows = 0 if keeps_every_tree_row(model) else torch.empty(0, dtype=torch.long, device=device)
+    rows = [
+        _Row(input_ids[b : b + 1], int(pad[b]), drafter,
+             GenerationStats(draft_mode="tree", tree_depth=budget.tree_depth,
+                             round_traces=[] if budget.record_round_traces else None))
+        for b in range(batch)
+    ]
+
+    # Prefill: the padded prompts with generate's position ids; each row's first token is its first root.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                use_cache=True, output_hidden_states=feature_layers, **_logits_to_keep(model, 1))
+    raw = out.logits[:, -1].to(dtype=torch.float32, device=device)
+    processed = logits_processor(input_ids, raw.clone()) if logits_processor else raw
+    features = drafter.target_features(out.hidden_states)  # [B, P, nH]
+    for b, row in enumerate(rows):
+        row.append([_choose(processed[b], do_sample)], [processed[b]], stopping_criteria, pads_finished_rows)
+        row.session.commit(features[b, row.pad :], row.input_ids[0, row.pad + 1 :])
+    active = _still_running(rows, generation_config.max_length, pads_finished_rows)
+    if active and len(active) < batch:  # rows that ended at their first token leave the batch
+        compact_cache(cache, torch.arange(input_ids.shape[1], device=device), _as_index(active, device))
+
+    while active and any(row.finished_length is None for row in rows):
+        start = time.perf_counter()
+        trees, drafted_sizes = [], []
+        for b in active:
+            row = rows[b]
+            room = max(generation_config.max_length - row.length - 1, 0)  # draft tokens that can still be emitted
+            row_start = time.perf_counter()
+            tree = draft_tree(row.session, row.input_ids[0, -1], min(budget.tree_depth, room), budget.tree_top_k,
+                              budget.tree_total_tokens)
+            drafted_sizes.append(len(tree))
+            if budget.lookup_num_tokens and room:
+                continuation = lookup_continuation(row.input_ids[0, row.pad :], budget.lookup_ngram_size,
+                                                   min(budget.lookup_num_tokens, room))
+                tree = graft_branch(tree, continuation)
+            trees.append(tree)
+            row.stats.draft_seconds.append(time.perf_counter() - row_start)
+        drafted = time.perf_counter()
+
+        past = cache.get_seq_length()
+        context_lengths = torch.tensor([past - rows[b].pad for b in active], device=device)
+        tokens, depths, allowed = _padded_trees(trees, past, torch.tensor([rows[b].pad for b in active], device=device))
+        out = model(
+            input_ids=tokens.to(device),
+            position_ids=(context_lengths[:, None] + depths.to(device)),
+            attention_mask=attention_mask_for(model, allowed.to(device)),
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=feature_layers,
+            **_logits_to_keep(model, keep_rows),
+        )
+        hidden = out.hidden_states[-1]  # [B', n, H] final hidden states (logits)
+        # Per row: the accepted node path; (the target's next token, processed logits [V] of each path node).
+        paths, choices = [], []
+        for i, (b, tree) in enumerate(zip(active, trees)):
+            logits = TreeLogits(model, hidden[i, : len(tree)], out.logits[i, : len(tree)], tree, rows[b].input_ids,
+                                logits_processor)
+            path, next_token = (_accept_sampling if do_sample else _accept_greedy)(logits, tree)
+            paths.append(path)
+            choices.append((next_token, [logits[node] for node in path]))
+        verified = time.perf_counter()
+
+        features = drafter.target_features(out.hidden_states)  # [B', n, nH] what the drafters read
+        for i, (b, tree, path) in enumerate(zip(active, trees, paths)):
+            row = rows[b]
+            next_token, processed_path = choices[i]
+            new_tokens = [tree.tokens[node] for node in path[1:]] + [next_token]
+            if row.stats.round_traces is not None:
+                row.stats.round_traces.append(RoundTrace(tree.candidates, [int(t) for t in new_tokens]))
+            row.append(new_tokens, processed_path, stopping_criteria, pads_finished_rows)
+            row.stats.lookup_tokens += sum(1 for node in path[1:] if node >= drafted_sizes[i])
+            row.stats.acceptance_lengths.append(len(path) - 1)
+            row.stats.tree_sizes.append(len(tree))
+        continuing = _still_running(rows, generation_config.max_length, pads_finished_rows)
+        if continuing:
+            keep = {b: i for i, b in enumerate(active)}
+            kept_paths = [torch.tensor(paths[keep[b]], device=device) for b in continuing]
+            index = _realigned_slots(past, [rows[b].pad for b in continuing], kept_paths)
+            compact_cache(cache, index, _as_index([keep[b] for b in continuing], device))
+            for b, path in zip(continuing, kept_paths):
+                row = rows[b]
+                row.pad = int(index.shape[1] - (past - row.pad) - path.shape[0])
+                row.session.end_round()
+                row.session.commit(features[keep[b]][path.to(features.device)], row.input_ids[0, -path.shape[0] :])
+        # The verification forward and the bookkeeping are shared: each row is charged an equal part.
+        verify_share = (verified - drafted) / len(active)
+        bookkeeping_share = (time.perf_counter() - verified) / len(active)
+        for b in active:
+            rows[b].stats.verify_seconds.append(verify_share)
+            rows[b].stats.bookkeeping_seconds.append(bookkeeping_share)
+        active = continuing
+
+    sequences = _final_sequences(rows, generation_config._pad_token_tensor)
+    for row in rows:
+        row.stats.new_tokens = min(row.length, sequences.shape[1]) - input_ids.shape[1]
+    if generation_config.return_dict_in_generate:
+        row_stats = [row.stats for row in rows]
+        return PosSGenerateOutput(sequences=sequences, cache=cache,
+                                  speculative_stats=GenerationStats.pooled(row_stats), row_stats=row_stats)
+    return sequences
+
+
+def _still_running(rows: list[_Row], max_length: int, pads_finished_rows: bool) -> list[int]:
+    """Rows that go on drafting: unfinished ones, and finished ones that plain generate keeps generating (no EOS
+    criterion) while they are shorter than `max_length` and some row is unfinished."""
+    if all(row.finished_length is not None for row in rows):
+        return []
+    return [b for b, row in enumerate(rows)
+            if row.finished_length is None or (not pads_finished_rows and row.length < max_length)]
+
+
+def _as_index(rows: list[int], device) -> torch.LongTensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _padded_trees(trees: list[DraftTree], past: int, pad: torch.LongTensor):
+    """The trees of a round padded to the largest, `n` nodes each.
+
+    Returns tokens `[B', n]`, depths `[B', n]` and the bool attention pattern `[B', n, past + n]`: row b's real nodes
+    see its real context slots (`pad[b]` onwards), their ancestors and themselves; padding nodes see themselves only.
+    """
+    n = max(len(tree) for tree in trees)
+    tokens = torch.zeros(len(trees), n, dtype=torch.long)
+    depths = torch.zeros(len(trees), n, dtype=torch.long)
+    allowed = torch.zeros(len(trees), n, past + n, dtype=torch.bool)
+    allowed[:, :, past:] = torch.eye(n, dtype=torch.bool)
+    context = torch.arange(past)[None, :] >= pad.cpu()[:, None]  # [B', past]
+    for i, tree in enumerate(trees):
+        size = len(tree)
+        tokens[i, :size], depths[i, :size] = tree.tokens.cpu(), tree.depths.cpu()
+        allowed[i, :size, :past] = context[i]
+        allowed[i, :size, past : past + size] = tree.visible.cpu()
+    return tokens, depths, allowed
+
+
+def _realigned_slots(past: int, pad: list[int], paths: list[torch.LongTensor]) -> torch.LongTensor:
+    """Cache slots to keep per row `[B', T']`: padding, then the row's context slots, then its accepted tree nodes
+    (slots `past + path`), right-aligned so that `T'` is the longest row (padding slots point at slot 0)."""
+    kept = [torch.cat((torch.arange(p, past, device=path.device), past + path)) for p, path in zip(pad, paths)]
+    width = max(k.shape[0] for k in kept)
+    return torch.stack([torch.cat((k.new_zeros(width - k.shape[0]), k)) for k in kept])
+
+
+def _final_sequences(rows: list[_Row], pad_token_id) -> torch.LongTensor:
+    """Every row cut at the batch's end (where the last row finished) and right-padded to it `[B, L]`."""
+    end = max(row.finished_length for row in rows)
+    sequences = []
+    for row in rows:
+        ids = row.input_ids[0, :end]
+        if ids.shape[0] < end:
+            ids = torch.cat((ids, pad_token_id.to(ids).reshape(1).expand(end - ids.shape[0])))
+        sequences.append(ids)
+    return torch.stack(sequences)
