@@ -91,8 +91,27 @@ def test_shipped_drafter_is_lossless_and_accepts(target_and_tokenizer, prompts_a
     if "poss2" not in available_default_drafters():
         pytest.skip("the shipped PosS-2 drafter is not in this installation yet")
     target, _ = target_and_tokenizer
-    drafter = load_default_drafter("poss2", target)
-    for key, value in BUDGET.items():
-        setattr(drafter.config, key, value)
+    drafter = load_default_drafter("poss2", target).with_generation_config(**BUDGET)
     tau = _check_identity(target, drafter, mode, *prompts_and_references)
     assert tau > 1.2
+
+
+def test_shipped_drafter_on_a_padded_batch_is_identical_row_by_row(target_and_tokenizer):
+    """A left-padded batch of 4 chat prompts (fp32, tree mode, with the lookup branch): every row equals plain
+    batched `generate`'s."""
+    if "poss2" not in available_default_drafters():
+        pytest.skip("the shipped PosS-2 drafter is not in this installation yet")
+    target, tokenizer = target_and_tokenizer
+    chats = CHATS + ["List three uses of a paperclip.", "Explain what a hash table is to a child, briefly."]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True,
+                                           tokenize=False) for chat in chats]
+    batch = tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
+    assert (batch["attention_mask"] == 0).any()  # the prompts really are padded
+    drafter = load_default_drafter("poss2", target).with_generation_config(**BUDGET)
+    with torch.no_grad():
+        reference = target.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+        out = target.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, assistant_model=drafter,
+                              return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert len(out.row_stats) == 4
+    assert out.speculative_stats.mean_acceptance_length > 1.2
