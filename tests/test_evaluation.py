@@ -12,13 +12,13 @@ import zipfile
 
 import pytest
 import torch
-from tiny_models import DEVICE
+from tiny_models import DEVICE, tiny_target
 from tiny_tokenizer import char_tokenizer
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from transformers_poss import PosSDrafter
 from transformers_poss.evaluation import (
-    ACCEPTANCE_METRIC_PATH, BASELINE, Method, baseline_method, chat_prompt, compare_tokens, greedy_consistency,
+    ACCEPTANCE_METRIC_PATH, BASELINE, Method, Question, baseline_method, chat_prompt, compare_tokens, greedy_consistency,
     load_prompt_sets, markdown_table, poss_methods, prompt_lookup_method, read_registry_set, run_benchmark, summarize,
     write_json, write_plots,
 )
@@ -437,3 +437,39 @@ def test_compare_command_and_its_errors(tmp_path, capsys):
     other.write_text(other.read_text().replace('"mt_bench"', '"qa"'))
     with pytest.raises(SystemExit, match="share no turn"):
         poss_main(["compare", "a", "c", str(path), str(other)])
+
+
+def test_batch_benchmark_measures_every_size_and_method(tmp_path):
+    """`poss bench --batch-size`'s core on a tiny target: a row per batch size and method, throughput from the
+    tokens each row generated up to its end token, files written; bad sizes refused before any work."""
+    import json
+
+    from transformers_poss.evaluation.batching import (
+        generated_tokens, run_batch_benchmark, write_batch_results,
+    )
+
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token = "<unk>"
+    target = tiny_target("llama")
+    drafter = PosSDrafter.from_target(target, num_specialists=1, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+    questions = [Question(dataset="d", question_id=str(i), category="c", turns=[f"question {i}" * (1 + i % 3)])
+                 for i in range(4)]
+    with pytest.raises(ValueError, match="batch sizes"):
+        run_batch_benchmark(target, tokenizer, questions, {"d": drafter}, [8])
+    rows = run_batch_benchmark(target, tokenizer, questions, {"d": drafter}, [1, 2, 4], max_new_tokens=6, warmup=0)
+    assert [(r["batch_size"], r["method"]) for r in rows] == [(b, m) for b in (1, 2, 4) for m in ("baseline", "d")]
+    assert all(r["tokens"] == 4 * 6 and r["tokens_per_s"] > 0 for r in rows)  # no end token: every row runs 6
+    assert all(r["speedup"] == 1.0 for r in rows if r["method"] == "baseline") and rows[1]["tau"] >= 1.0
+    assert generated_tokens(torch.tensor([[5, 5, 7, 2, 0, 0], [5, 5, 7, 7, 7, 7]]), 2, [2]) == [2, 4]
+    written = write_batch_results(tmp_path, rows, {"device": "cpu"}, plots=False)
+    assert json.loads(written[0].read_text())["rows"][0]["method"] == "baseline"
+
+
+def test_bench_batch_size_is_checked_before_any_work(tmp_path, capsys):
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text(json.dumps(MT_BENCH[0]) + "\n")
+    for argv, message in ((["--batch-size", "0,2"], ">= 1"), (["--batch-size", "x"], "integers"),
+                          (["--batch-size", "2"], "at least 2 questions"),
+                          (["--batch-size", "1", "--temperature", "0.7"], "greedy")):
+        assert bench_main(["--prompts", str(prompts_file), "--drafter", "default", "--no-plots", *argv]) == 2
+        assert message in capsys.readouterr().err

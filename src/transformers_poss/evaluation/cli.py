@@ -63,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="where results.json, results.md and the plots go (default runs/bench-TIME)")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG plots (matplotlib not needed)")
     parser.add_argument("--quiet", action="store_true", help="no per-question progress lines")
+    parser.add_argument("--batch-size", default=None, metavar="LIST",
+                        help="comma-separated batch sizes (e.g. 1,2,4,8,16): measure throughput of plain batched "
+                             "generate and each drafter in tree mode on left-padded batches of first turns instead "
+                             "(greedy; prompt lookup and --assistant are left out: transformers does not batch them; "
+                             "writes batch.json, batch.md, batch.png)")
     return parser
 
 
@@ -120,6 +125,12 @@ def _check_args(args) -> None:
         raise ValueError(f"--lookup-tokens must be >= 0, got {args.lookup_tokens}")
     if args.assistant is not None and not Path(args.assistant).expanduser().exists():
         raise FileNotFoundError(f"--assistant {args.assistant}: no such file or folder")
+    if args.batch_size is not None:
+        _batch_sizes(args.batch_size)
+        if args.temperature is not None:
+            raise ValueError("--batch-size measures greedy decoding: leave out --temperature")
+        if not args.drafter:
+            raise ValueError("--batch-size needs at least one --drafter")
     if args.target != "default" and not Path(args.target).expanduser().exists():
         raise FileNotFoundError(f"--target {args.target}: no such file or folder (or use 'default')")
     if not args.no_plots:
@@ -149,6 +160,10 @@ def run_bench(args) -> int:
             if missing:
                 raise ValueError(f"--datasets {sorted(missing)} not among the loaded sets {sorted(prompt_sets)}")
             prompt_sets = {name: prompt_sets[name] for name in wanted}
+        questions = sum(len(q) for q in prompt_sets.values())
+        if args.batch_size and max(_batch_sizes(args.batch_size)) > questions:
+            raise ValueError(f"--batch-size {args.batch_size} needs at least {max(_batch_sizes(args.batch_size))} "
+                             f"questions; the prompt sets give {questions}")
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"poss bench: error: {error}", file=sys.stderr)
         return 2
@@ -177,6 +192,8 @@ def run_bench(args) -> int:
         drafter.bind_target(target)
         methods.extend(poss_methods(name, drafter, modes, source=str(folder), **budget))
 
+    if args.batch_size:
+        return _run_batch_bench(args, target, tokenizer, prompt_sets, methods, dtype, log)
     questions = sum(len(q) for q in prompt_sets.values())
     log(f"{len(methods)} methods x {questions} questions in {sorted(prompt_sets)}: {[m.name for m in methods]}")
     started = time.time()
@@ -196,6 +213,35 @@ def run_bench(args) -> int:
     (output / "results.md").write_text(table + "\n")
     plots = [] if args.no_plots else write_plots(output, rows)
     log(f"wrote {json_path}" + "".join(f", {p}" for p in plots))
+    return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise ValueError(f"--batch-size takes comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-size values must be >= 1, got {text!r}")
+    return sizes
+
+
+def _run_batch_bench(args, target, tokenizer, prompt_sets, methods, dtype, log) -> int:
+    from .batching import batch_table, run_batch_benchmark, write_batch_results
+    from .report import environment
+
+    drafters = {m.name.removesuffix("-tree"): m.generate_kwargs["assistant_model"] for m in methods
+                if m.kind == "poss" and m.mode == "tree"}
+    questions = [q for qs in prompt_sets.values() for q in qs]
+    rows = run_batch_benchmark(target, tokenizer, questions, drafters, _batch_sizes(args.batch_size),
+                               max_new_tokens=args.max_new_tokens, warmup=args.warmup,
+                               use_chat_template=not args.no_chat_template, progress=log)
+    env = environment(target, dtype)
+    env["command"] = typed_command()
+    output = Path(args.output_dir or f"runs/bench-batch-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(batch_table(rows))
+    written = write_batch_results(output, rows, env, plots=not args.no_plots)
+    log("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
