@@ -24,9 +24,9 @@ import transformers
 from packaging import version
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from .batch_decoding import batch_tree_assisted_decoding, left_padding
 from .candidate_generator import PosSCandidateGenerator
 from .stats import PosSGenerateOutput
-from .batch_decoding import batch_tree_assisted_decoding, left_padding
 from .tree_decoding import tree_assisted_decoding
 
 MIN_TRANSFORMERS = "5.24.0"
