@@ -682,6 +682,13 @@ def test_self_distillation_regenerates_and_resumes(tmp_path):
     assert kept[1] == lines[1]["conversations"]
     with pytest.raises(ValueError, match="max_turns"):
         self_distill(target, tokenizer, records, str(short), max_turns=0, progress=False)
+    # With a drafter the batches are generated speculatively: the same answers, longer ones than above.
+    plain, speculative = tmp_path / "plain.jsonl", tmp_path / "speculative.jsonl"
+    drafter = PosSDrafter.from_target(target, tree_depth=3, tree_top_k=2, tree_total_tokens=6, lookup_num_tokens=4)
+    self_distill(target, tokenizer, records[:2], str(plain), batch_size=2, max_new_tokens=12, progress=False)
+    self_distill(target, tokenizer, records[:2], str(speculative), batch_size=2, max_new_tokens=12, progress=False,
+                 drafter=drafter)
+    assert speculative.read_text() == plain.read_text()
 
 
 def test_cli_arguments():

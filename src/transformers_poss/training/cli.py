@@ -95,11 +95,19 @@ def run_features(namespace: argparse.Namespace) -> int:
 def run_distill(namespace: argparse.Namespace) -> int:
     from .distill import self_distill
 
+    drafter = None
+    if namespace.drafter:
+        from ..assets import DEFAULT_DRAFTERS, default_drafter_path
+        from ..modeling_poss import PosSDrafter
+
+        shipped = {"default": "poss2", **{name: name for name in DEFAULT_DRAFTERS}}
+        folder = default_drafter_path(shipped[namespace.drafter]) if namespace.drafter in shipped else namespace.drafter
+        drafter = PosSDrafter.from_pretrained(folder).with_generation_config(draft_mode="tree")  # before the target
     target, tokenizer, records = _target_tokenizer_records(namespace)
     stats = self_distill(target, tokenizer, records, namespace.output, batch_size=namespace.batch_size,
                          max_new_tokens=namespace.max_new_tokens, max_prompt_length=namespace.max_prompt_length,
                          do_sample=namespace.temperature > 0, temperature=namespace.temperature or 1.0,
-                         max_turns=namespace.max_turns)
+                         max_turns=namespace.max_turns, drafter=drafter)
     print(json.dumps(stats, indent=2))
     return 0
 
@@ -179,6 +187,9 @@ def add_subcommand(subparsers) -> None:
     distill.add_argument("--max-turns", type=int, default=None,
                          help="regenerate only the first N assistant turns of each conversation and drop the rest "
                               "(turns past the training --max-length are wasted work; default: all)")
+    distill.add_argument("--drafter", default=None,
+                         help="a PosS drafter folder ('default', 'poss2', 'single': the shipped ones) that "
+                              "generates every batch speculatively (tree mode; the same answers)")
     distill.set_defaults(func=run_distill)
 
     plot = subparsers.add_parser(

@@ -41,9 +41,12 @@ def done_ids(path: str) -> set[str]:
 def self_distill(
     target, tokenizer, records: Sequence[dict], output_path: str, batch_size: int = 16, max_new_tokens: int = 512,
     max_prompt_length: int = 2048, do_sample: bool = False, temperature: float = 1.0, progress: bool = True,
-    max_turns: int | None = None,
+    max_turns: int | None = None, drafter=None,
 ) -> dict:
     """Regenerate assistant turns with `target` and append the conversations to `output_path` (resumable).
+
+    With a PosS `drafter` every batch is generated speculatively (tree mode on the left-padded batch): the same
+    answers as the target's own batched decoding (token for token in fp32, within rounding in 16-bit).
 
     A conversation whose prompt grows past `max_prompt_length` tokens keeps the turns generated before that point;
     `max_turns` keeps only the first that many exchanges (later turns would lie past a short training
@@ -86,7 +89,7 @@ def self_distill(
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start: start + batch_size]
                 results = _regenerate_chunk(target, tokenizer, [m for _, m in chunk], device, max_new_tokens,
-                                            max_prompt_length, do_sample, temperature, stats, max_turns)
+                                            max_prompt_length, do_sample, temperature, stats, max_turns, drafter)
                 for (rid, _), messages in zip(chunk, results):
                     turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
                     out.write(json.dumps({"id": rid, "conversations": turns}, ensure_ascii=False) + "\n")
@@ -102,7 +105,7 @@ def self_distill(
 
 
 def _regenerate_chunk(target, tokenizer, conversations, device, max_new_tokens, max_prompt_length, do_sample,
-                      temperature, stats, max_turns=None) -> list[list[dict]]:
+                      temperature, stats, max_turns=None, drafter=None) -> list[list[dict]]:
     """Regenerate every assistant turn of a few conversations, turn index by turn index, in batches."""
     # Work list per conversation: its messages up to now (assistant turns regenerated), the original remainder.
     done = [[] for _ in conversations]
@@ -126,7 +129,7 @@ def _regenerate_chunk(target, tokenizer, conversations, device, max_new_tokens, 
         if not prompts:
             break
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+        kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "assistant_model": drafter}
         if do_sample:
             kwargs["temperature"] = temperature
         output = target.generate(**batch, **kwargs)
