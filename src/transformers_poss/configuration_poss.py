@@ -1,4 +1,5 @@
-"""Configuration of a PosS drafter: `PosSConfig` (what rebuilds its weights) and `PosSGenerationConfig` (how it drafts)."""
+"""Configuration of a PosS drafter: `PosSConfig` (what rebuilds its weights) and `PosSGenerationConfig` (how it
+drafts)."""
 
 from __future__ import annotations
 
@@ -370,13 +371,17 @@ class PosSGenerationConfig(GenerationConfig):
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"PosSGenerationConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if not isinstance(self.record_round_traces, bool):
-            raise ValueError(f"PosSGenerationConfig.record_round_traces must be a bool, got {self.record_round_traces!r}")
+            raise ValueError(
+                f"PosSGenerationConfig.record_round_traces must be a bool, got {self.record_round_traces!r}"
+            )
 
     def updated(self, **settings) -> "PosSGenerationConfig":
         """A validated copy with `settings` changed; unknown names raise `ValueError`."""
         unknown = sorted(set(settings) - set(self.POSS_DEFAULTS) - set(GenerationConfig().to_dict()))
         if unknown:
-            raise ValueError(f"Unknown generation settings {unknown}; PosS drafting settings are {list(self.POSS_DEFAULTS)}")
+            raise ValueError(
+                f"Unknown generation settings {unknown}; PosS drafting settings are {list(self.POSS_DEFAULTS)}"
+            )
         config = copy.deepcopy(self)
         config.update(**settings)
         return config

@@ -9,6 +9,7 @@ from .stats import GenerationStats, PosSGenerateOutput
 from .tree_decoding import tree_assisted_decoding
 
 __all__ = [
-    "DraftSession", "DraftTree", "GenerationStats", "PosSCandidateGenerator", "PosSGenerateOutput", "draft_chain", "draft_tree",
+    "DraftSession", "DraftTree", "GenerationStats", "PosSCandidateGenerator", "PosSGenerateOutput", "draft_chain",
+    "draft_tree",
     "batch_tree_assisted_decoding", "install_generate_hook", "is_poss_drafter", "tree_assisted_decoding",
 ]

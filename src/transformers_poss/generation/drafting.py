@@ -134,8 +134,8 @@ class DraftSession:
         self.node_count = 0
 
     def add_nodes(self, inputs: torch.Tensor, position: int, parent_nodes: torch.LongTensor) -> int:
-        """Feed round nodes: layer inputs `[n, layer_input_size]`, all at drafter `position`, parent node index `[n]` (-1: the
-        root). Returns the index of the first new node."""
+        """Feed round nodes: layer inputs `[n, layer_input_size]`, all at drafter `position`, parent node index
+        `[n]` (-1: the root). Returns the index of the first new node."""
         first, n = self.node_count, inputs.shape[0]
         if self._node_inputs is None or first + n > self._node_inputs.shape[0]:
             raise RuntimeError("DraftSession.begin_round must reserve room for the round's nodes")
@@ -230,7 +230,8 @@ def _log_probs(drafter: PosSDrafter, features: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def draft_tree(session: DraftSession, root_token: torch.LongTensor, depth: int, top_k: int, total_tokens: int) -> DraftTree:
+def draft_tree(session: DraftSession, root_token: torch.LongTensor, depth: int, top_k: int,
+               total_tokens: int) -> DraftTree:
     """EAGLE-2 dynamic tree with position specialists.
 
     Depth 1 expands the root's top-k; each later depth feeds the `top_k` best frontier nodes through the specialist

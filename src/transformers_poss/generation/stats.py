@@ -1,4 +1,5 @@
-"""`GenerationStats`: what one `generate` call with a PosS drafter did, round by round, and the output that carries it."""
+"""`GenerationStats`: what one `generate` call with a PosS drafter did, round by round, and the output that carries
+it."""
 
 from __future__ import annotations
 
