@@ -55,9 +55,9 @@ from pathlib import Path
 import torch
 
 from .configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig, PosSGenerationConfig
-from .modeling_poss import PosSDrafter
+from .modeling_poss import HUB_KWARGS, PosSDrafter
 from .research_checkpoint import (
-    _GENERATION_OVERRIDES, _HUB_KWARGS, _LOAD_KWARGS, ResearchCheckpoint, _read_config, check_embedding_matches,
+    _GENERATION_OVERRIDES, HUB_KWARGS, _LOAD_KWARGS, ResearchCheckpoint, _read_config, check_embedding_matches,
     read_research_checkpoint, target_input_embedding, tensor_problems,
 )
 
@@ -303,12 +303,12 @@ def load_eagle3_drafter(cls, path_or_id, num_specialists: int | None = None,
         kwargs: hub options, loading options (`dtype`, `device_map`, `attn_implementation`), config overrides
             (`target_name_or_path`, `feature_layers`) and generation settings (`PosSGenerationConfig` fields).
     """
-    supported = _HUB_KWARGS + _LOAD_KWARGS + _CONFIG_OVERRIDES + _GENERATION_OVERRIDES
+    supported = HUB_KWARGS + _LOAD_KWARGS + _CONFIG_OVERRIDES + _GENERATION_OVERRIDES
     unknown = set(kwargs) - set(supported)
     if unknown:
         raise ValueError(f"Options {sorted(unknown)} are not supported when loading an EAGLE-3 checkpoint; "
                          f"supported: {sorted(supported)}")
-    hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
     overrides = {k: kwargs.pop(k) for k in _CONFIG_OVERRIDES if k in kwargs}
     generation = {k: kwargs.pop(k) for k in _GENERATION_OVERRIDES if k in kwargs}
     checkpoint = read_research_checkpoint(path_or_id, **hub_kwargs)
@@ -335,7 +335,7 @@ def read_if_eagle3_checkpoint(cls, path_or_id, *model_args, num_specialists=None
                               **kwargs):
     """The `PosSDrafter.checkpoint_readers` entry: a converted drafter when `path_or_id` holds an EAGLE-3 layout,
     else `None`."""
-    if not is_eagle3_checkpoint(path_or_id, **{k: v for k, v in kwargs.items() if k in _HUB_KWARGS}):
+    if not is_eagle3_checkpoint(path_or_id, **{k: v for k, v in kwargs.items() if k in HUB_KWARGS}):
         return None
     if model_args:
         raise ValueError("positional model arguments are not supported for EAGLE-3 checkpoints")

@@ -80,7 +80,6 @@ _LLAMA_FIELDS = (
     "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act", "initializer_range",
     "pad_token_id", "bos_token_id", "eos_token_id",
 )
-_HUB_KWARGS = HUB_KWARGS
 _LOAD_KWARGS = ("dtype", "torch_dtype", "device_map", "attn_implementation")
 _CONFIG_OVERRIDES = ("target_name_or_path",)
 _GENERATION_OVERRIDES = tuple(PosSGenerationConfig.POSS_DEFAULTS)
@@ -131,7 +130,7 @@ def _read_config(path_or_id: str | os.PathLike, **hub_kwargs) -> dict | None:
     try:
         resolved = cached_file(
             str(path_or_id), "config.json", _raise_exceptions_for_missing_entries=False,
-            **{k: v for k, v in hub_kwargs.items() if k in _HUB_KWARGS and v is not None},
+            **{k: v for k, v in hub_kwargs.items() if k in HUB_KWARGS and v is not None},
         )
     except (OSError, ValueError):  # not a repo id, offline and not cached, ...: the native loader reports it
         return None
@@ -155,7 +154,7 @@ def _resolve_folder(path_or_id: str | os.PathLike, **hub_kwargs) -> Path:
     patterns = [f"{subfolder}/{name}".lstrip("/") for name in ("config.json", *RESEARCH_WEIGHT_FILES)]
     folder = snapshot_download(
         str(path_or_id), allow_patterns=patterns,
-        **{k: v for k, v in hub_kwargs.items() if k in _HUB_KWARGS and k != "subfolder" and v is not None},
+        **{k: v for k, v in hub_kwargs.items() if k in HUB_KWARGS and k != "subfolder" and v is not None},
     )
     return Path(folder) / subfolder
 
@@ -403,14 +402,14 @@ def load_research_drafter(
             loading options (`dtype`, default the checkpoint's; `device_map`; `attn_implementation`), the config
             override `target_name_or_path` and generation settings (`PosSGenerationConfig` fields, e.g. `tree_depth`).
     """
-    supported = _HUB_KWARGS + _LOAD_KWARGS + _CONFIG_OVERRIDES + _GENERATION_OVERRIDES
+    supported = HUB_KWARGS + _LOAD_KWARGS + _CONFIG_OVERRIDES + _GENERATION_OVERRIDES
     unknown = set(kwargs) - set(supported)
     if unknown:
         raise ValueError(
             f"Options {sorted(unknown)} are not supported when loading a research checkpoint; supported: "
             f"{sorted(supported)}"
         )
-    hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    hub_kwargs = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
     overrides = {k: kwargs.pop(k) for k in _CONFIG_OVERRIDES if k in kwargs}
     generation = {k: kwargs.pop(k) for k in _GENERATION_OVERRIDES if k in kwargs}
     checkpoint = read_research_checkpoint(path_or_id, **hub_kwargs)
