@@ -1,6 +1,6 @@
 """Time and profile repeated draft rounds of a drafter on one committed context (the default target, bf16).
 
-    python scripts/draft_profile.py --depth 6 --top-k 4 --total 12 [--profile]
+    python scripts/draft_profile.py --depth 6 --top-k 4 --total 12 [--deep-vocab 4096] [--cold] [--profile]
 
 Commits a 300-token context, drafts the same tree `--rounds` times (each round dropped afterwards, as between real
 rounds) and prints the median round time and time per depth; `--profile` adds torch profiler tables by operator and
@@ -24,6 +24,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--total", type=int, default=12)
+    parser.add_argument("--deep-vocab", type=int, default=None, help="deep_draft_vocab (default: the whole vocabulary)")
+    parser.add_argument("--cold", action="store_true",
+                        help="stream 300 MB through the cache before each round, as a target forward does")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
@@ -39,17 +42,21 @@ def main() -> None:
     session = DraftSession(drafter)
     session.commit(drafter.target_features(out.hidden_states)[0], ids[0, 1:])
 
+    flush = torch.zeros(75_000_000) if args.cold else None
+
     def one_round():
-        draft_tree(session, ids[0, -1], args.depth, args.top_k, args.total)
+        if flush is not None:
+            flush.add_(1.0)
+        start = time.perf_counter()
+        draft_tree(session, ids[0, -1], args.depth, args.top_k, args.total, args.deep_vocab)
         session.end_round()
+        return time.perf_counter() - start
 
     for _ in range(5):
         one_round()
     times = []
     for _ in range(args.rounds):
-        start = time.perf_counter()
-        one_round()
-        times.append(time.perf_counter() - start)
+        times.append(one_round())
     median = statistics.median(times)
     print(f"depth {args.depth} / top-k {args.top_k} / {args.total} tokens: {median * 1e3:.2f} ms per round, "
           f"{median * 1e3 / args.depth:.2f} ms per depth")

@@ -1,7 +1,7 @@
 """Where a speculative round's time goes: drafting per depth, verification in decode steps, bookkeeping.
 
 Runs the shipped PosS-2 drafter (or `--drafter`) on the default target over chat prompts for several tree budgets
-(without the prompt-lookup branch), after timing plain greedy decoding on the same prompts, and prints one row per
+(without the prompt-lookup branch; a fourth field sets `deep_draft_vocab`), after timing plain greedy decoding on the same prompts, and prints one row per
 budget: tau, median draft ms per round and per depth, median verify ms and decode steps, median bookkeeping ms,
 tokens/s and speedup over plain decoding. `--json` writes the rows. Greedy, one process, nothing else running:
 
@@ -21,12 +21,14 @@ from transformers_poss import PosSDrafter
 from transformers_poss.assets import default_drafter_path, load_default_target, resolve_dtype
 from transformers_poss.evaluation.prompts import chat_prompt, load_prompt_sets
 
-BUDGETS = ((2, 4, 4), (4, 4, 8), (6, 4, 12), (6, 10, 60))
+BUDGETS = ((2, 4, 4, None), (4, 4, 8, None), (6, 4, 12, None), (6, 10, 60, None))
 
 
-def _budget(text: str) -> tuple[int, int, int]:
-    depth, top_k, total = (int(part) for part in text.split("/"))
-    return depth, top_k, total
+def _budget(text: str) -> tuple[int, int, int, int | None]:
+    parts = [int(part) for part in text.split("/")]
+    if len(parts) not in (3, 4):
+        raise argparse.ArgumentTypeError(f"expected DEPTH/TOP_K/TOTAL[/DEEP_VOCAB], got {text!r}")
+    return (*parts[:3], parts[3] if len(parts) == 4 else None)
 
 
 def main(argv=None) -> int:
@@ -38,7 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget", action="append", type=_budget,
-                        help="DEPTH/TOP_K/TOTAL (repeatable; default 2/4/4 4/4/8 6/4/12 6/10/60)")
+                        help="DEPTH/TOP_K/TOTAL[/DEEP_VOCAB] (repeatable; default 2/4/4 4/4/8 6/4/12 6/10/60; "
+                             "DEEP_VOCAB sets deep_draft_vocab)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -58,9 +61,9 @@ def main(argv=None) -> int:
     decode = statistics.median(s / (o.sequences.shape[1] - ids.shape[1])
                                for ids in prompts for o, s in [generate(ids)])
     rows = []
-    for depth, top_k, total in args.budget or BUDGETS:
+    for depth, top_k, total, deep_vocab in args.budget or BUDGETS:
         view = drafter.with_generation_config(tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total,
-                                              lookup_num_tokens=0, draft_mode="tree")
+                                              lookup_num_tokens=0, draft_mode="tree", deep_draft_vocab=deep_vocab)
         generate(prompts[0][:, :16], view)  # warm-up
         draft, verify, bookkeeping, lengths, tokens, seconds = [], [], [], [], 0, 0.0
         for ids in prompts:
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
             tokens += out.sequences.shape[1] - ids.shape[1]
             seconds += elapsed
         row = {
-            "budget": f"{depth}/{top_k}/{total}", "tau": statistics.fmean(lengths) + 1,
+            "budget": f"{depth}/{top_k}/{total}" + (f"/{deep_vocab}" if deep_vocab else ""), "tau": statistics.fmean(lengths) + 1,
             "draft_ms": 1e3 * statistics.median(draft), "draft_ms_per_depth": 1e3 * statistics.median(draft) / depth,
             "verify_ms": 1e3 * statistics.median(verify), "verify_decode_steps": statistics.median(verify) / decode,
             "bookkeeping_ms": 1e3 * statistics.median(bookkeeping), "tokens_per_s": tokens / seconds,

@@ -312,3 +312,66 @@ def test_greedy_identity_with_fused_target_layers(fitted_pairs, family, mode):
         assert torch.equal(reference, speculative), (family, mode)
         seen += stats.acceptance_lengths
     assert sum(seen) / len(seen) >= 1.2, seen
+
+
+def test_deep_draft_vocab_logits_are_the_first_columns():
+    """`logits(features, vocab)` equals the first `vocab` columns of the full draft logits, whether they end inside
+    the drafter's own head rows or inside the rows mapped from the target's `lm_head`."""
+    from transformers_poss import PosSDrafter
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    for rows in (None, 16):
+        drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=rows)
+        drafter.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
+        torch.nn.init.normal_(drafter.draft_head_map.weight) if drafter.draft_head_map is not None else None
+        features = torch.randn(3, target.config.hidden_size)
+        full = drafter.logits(features)
+        for vocab in (1, 10, 16, 40, 64, 500):
+            torch.testing.assert_close(drafter.logits(features, vocab), full[:, : min(vocab, 64)])
+    with pytest.raises(ValueError, match="reduced draft vocabulary"):
+        PosSDrafter.from_target(target).logits(features, 10)
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_greedy_identity_with_a_smaller_deep_draft_vocab(mode):
+    """Positions past the first draft from the first `deep_draft_vocab` tokens only; the output stays identical to
+    plain generate, and every deeper candidate comes from those tokens."""
+    target = tiny_target("llama")
+    drafter = _drafter_with_own_head(target)
+    vocab = target.config.vocab_size // 3
+    view = drafter.with_generation_config(draft_mode=mode, deep_draft_vocab=vocab, record_round_traces=True)
+    asked = []
+    full_logits = view.logits
+    view.logits = lambda features, vocab=None: asked.append(vocab) or full_logits(features, vocab)
+    allowed = set(drafter.draft_to_target[:vocab].tolist())
+    accepted = []
+    for prompt in prompts(count=3):
+        reference, speculative, stats = _generate_both(target, view, prompt, max_new_tokens=30)
+        assert torch.equal(reference, speculative)
+        accepted += stats.acceptance_lengths
+        for trace in stats.round_traces or []:
+            if trace.candidates is None:  # a root-only round
+                continue
+            deep = trace.candidates.tokens[trace.candidates.depths > 1]
+            assert set(deep.tolist()) <= allowed
+    assert max(accepted) > 1  # deeper drafts were accepted too
+    assert set(asked) == {None, vocab}  # position 1 over the whole draft vocabulary, later ones over the first part
+    if mode == "tree":
+        assert stats.round_traces, "tree mode records its rounds"
+
+
+def test_deep_draft_vocab_is_checked_before_any_work(fitted_pairs):
+    target, drafter = fitted_pairs("llama")  # drafts over the target's whole vocabulary
+    calls = []
+    handle = target.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="reduced draft vocabulary"):
+            target.generate(prompts()[0], max_new_tokens=5, assistant_model=drafter.with_generation_config(
+                deep_draft_vocab=8))
+    finally:
+        handle.remove()
+    assert not calls
+    for bad in (0, -3, 2.5, "8"):
+        with pytest.raises(ValueError, match="deep_draft_vocab"):
+            drafter.with_generation_config(deep_draft_vocab=bad)

@@ -51,16 +51,21 @@ def _p_values(samples, marginals):
 def setup():
     target = tiny_target("llama", vocab_size=VOCAB, seed=5)
     drafter = fitted_drafter(target, tree_depth=3, tree_top_k=3, tree_total_tokens=10, steps=200)
+    # With its own head over the whole vocabulary (a draft vocabulary, in id order), for `deep_draft_vocab`.
+    with_head = fitted_drafter(target, tree_depth=3, tree_top_k=3, tree_total_tokens=10, steps=200,
+                               draft_vocab_size=VOCAB)
     prompt = torch.tensor([[1, 4, 2, 7, 3]], device=DEVICE)
-    return target, drafter, prompt
+    return target, {None: drafter, "own head": with_head}, prompt
 
 
-@pytest.mark.parametrize("mode,lookup_tokens", [("tree", 0), ("chain", 0), ("tree", 3)])
-def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_tokens):
-    target, drafter, prompt = setup
+@pytest.mark.parametrize("mode,lookup_tokens,deep_vocab", [("tree", 0, None), ("chain", 0, None), ("tree", 3, None),
+                                                            ("tree", 0, 5), ("chain", 0, 5)])
+def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_tokens, deep_vocab):
+    target, drafters, prompt = setup
     temperature = 0.7
-    drafter = copy.deepcopy(drafter)
+    drafter = copy.deepcopy(drafters["own head" if deep_vocab else None])
     drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = mode, lookup_tokens
+    drafter.generation_config.deep_draft_vocab = deep_vocab  # chain mode: q is zero past it at levels 2 and later
     if lookup_tokens:  # a small drafted tree and a repetitive prompt, so that grafted nodes get accepted
         drafter.generation_config.tree_total_tokens, prompt = 3, torch.cat((prompt, prompt), dim=1)
     marginals = _exact_marginals(target, prompt, temperature)

@@ -113,3 +113,35 @@ def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path,
     settings = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
     assert {k: settings[k] for k in chosen} == chosen and chosen["tree_depth"] <= 2
     assert all((tmp_path / "drafter" / name).read_bytes() == data for name, data in untouched.items())
+
+
+def test_poss_tune_with_a_deep_draft_vocab_writes_it_with_the_budget(tmp_path, capsys):
+    import json
+
+    from tiny_models import fitted_drafter, tiny_target
+    from tiny_tokenizer import char_tokenizer
+
+    target = tiny_target("llama")
+    drafter = fitted_drafter(target, draft_vocab_size=target.config.vocab_size, steps=100)
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    (tmp_path / "prompts.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hello there"]}\n')
+    code = poss_main(["tune", str(tmp_path / "drafter"), "--target", str(tmp_path / "target"), "--prompts",
+                      str(tmp_path / "prompts.jsonl"), "--dtype", "float32", "--top-k", "2", "--max-depth", "3",
+                      "--totals", "4", "--max-new-tokens", "8", "--repeats", "1", "--deep-draft-vocab", "20"])
+    assert code == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "drafter" / "tuning_record.json").read_text())
+    settings = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
+    assert settings["deep_draft_vocab"] == record["deep_draft_vocab"] == 20
+    assert record["previous"]["deep_draft_vocab"] is None
+
+
+def test_poss_tune_refuses_a_deep_draft_vocab_without_a_draft_vocabulary(fitted_pairs, tmp_path, capsys):
+    _, drafter = fitted_pairs("llama")  # drafts over the target's whole vocabulary
+    drafter.save_pretrained(tmp_path / "drafter")
+    (tmp_path / "prompts.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hello there"]}\n')
+    code = poss_main(["tune", str(tmp_path / "drafter"), "--target", str(tmp_path / "no-target"), "--prompts",
+                      str(tmp_path / "prompts.jsonl"), "--deep-draft-vocab", "20"])
+    assert code == 2
+    assert "reduced draft vocabulary" in capsys.readouterr().err

@@ -341,6 +341,11 @@ class PosSGenerationConfig(GenerationConfig):
             Verification keeps it lossless; it pays when answers repeat their prompt or themselves.
         lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
             their latest earlier occurrence.
+        deep_draft_vocab (`int`, *optional*): draft positions 2 and later score only the first `deep_draft_vocab`
+            tokens of the drafter's reduced draft vocabulary (its most frequent ones; a drafter whose head has its own
+            rows for the first `config.draft_head_rows` tokens skips the rest of its head by this number). Position 1
+            always scores the whole draft vocabulary. Each later depth then streams fewer head weights, at some cost
+            in acceptance; `None` (default) scores the whole draft vocabulary everywhere.
         record_round_traces (`bool`): tree mode: keep every round's scored candidates in the output's
             `speculative_stats.round_traces` (what `poss tune` replays); off by default.
         kwargs: other `GenerationConfig` fields (unused by the drafter).
@@ -348,7 +353,7 @@ class PosSGenerationConfig(GenerationConfig):
 
     POSS_DEFAULTS = {
         "draft_mode": "tree", "tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60,
-        "lookup_num_tokens": 0, "lookup_ngram_size": 3, "record_round_traces": False,
+        "lookup_num_tokens": 0, "lookup_ngram_size": 3, "deep_draft_vocab": None, "record_round_traces": False,
     }
 
     def __init__(self, **kwargs):
@@ -368,6 +373,8 @@ class PosSGenerationConfig(GenerationConfig):
                     "lookup_ngram_size": 2}
         for name, minimum in minimums.items():
             _check_int("PosSGenerationConfig", name, getattr(self, name), minimum)
+        if self.deep_draft_vocab is not None:
+            _check_int("PosSGenerationConfig", "deep_draft_vocab", self.deep_draft_vocab, 1)
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"PosSGenerationConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if not isinstance(self.record_round_traces, bool):

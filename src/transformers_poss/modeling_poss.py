@@ -469,17 +469,27 @@ class PosSDrafter(PosSPreTrainedModel):
             position_embeddings=position_embeddings,
         )
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
+    def logits(self, features: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
         """Draft logits `[..., H] -> [..., V]` (target `lm_head`) or `[..., Vd]` with a draft vocabulary (after the
-        final `norm` for EAGLE-3)."""
+        final `norm` for EAGLE-3); `[..., min(vocab, Vd)]`, the first `vocab` draft tokens only, when `vocab` is given
+        (only the head rows of those tokens are read)."""
         if self.norm is not None:
             features = self.norm(features)
-        if self.draft_head_map is not None:
+        if vocab is not None:
+            if self.draft_lm_head is None:
+                raise ValueError("deep_draft_vocab needs a drafter with a reduced draft vocabulary (draft_vocab_size)")
+            vocab = min(vocab, self.config.draft_vocab_size)
+        own_rows = self.config.own_draft_head_rows
+        if self.draft_head_map is not None and (vocab is None or vocab > own_rows):
             mapped = self.draft_head_map(features)  # [..., H + 1]
             rows = self.mapped_head_rows()  # [Vd - R, H]
+            if vocab is not None:
+                rows = rows[: vocab - own_rows]
             mapped_logits = torch.matmul(mapped[..., :-1], rows.T) + mapped[..., -1:]
             return torch.cat((self.draft_lm_head(features), mapped_logits), dim=-1)
         if self.draft_lm_head is not None:
+            if vocab is not None and vocab < own_rows:
+                return nn.functional.linear(features, self.draft_lm_head.weight[:vocab])
             return self.draft_lm_head(features)
         self._require_bound()
         return output_logits(self._bound["target"], features).to(features.device)

@@ -176,11 +176,12 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
     session = DraftSession(drafter)
     session.commit(drafter.target_features(out.hidden_states)[0], context_ids[0, 1:])
     root = context_ids[0, -1]
+    deep_vocab = drafter.generation_config.deep_draft_vocab
     results = {}
     for k in top_ks:
         for d in depths:
             def draft():
-                draft_tree(session, root, d, k, _full_tree_tokens(d, k))
+                draft_tree(session, root, d, k, _full_tree_tokens(d, k), deep_vocab)
                 session.end_round()
 
             results[(d, k)] = _median_seconds(draft, repeats)
@@ -194,7 +195,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     """Calibrate on `prompts` (token ids `[1, L]` each) and rank every budget in the grid by predicted tokens/s.
 
     The drafter must be bound to `target`; its settings are left as they are (calibration passes views of it with
-    other settings, `with_generation_config`). The prompt-lookup branch (`lookup_num_tokens`) is not modelled:
+    other settings, `with_generation_config`; its `deep_draft_vocab` applies throughout). The prompt-lookup branch (`lookup_num_tokens`) is not modelled:
     calibration runs without it, and the budget is chosen for the drafted tree.
     """
     log = progress or (lambda message: None)
@@ -310,6 +311,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-depth", type=int, default=8)
     parser.add_argument("--totals", type=_int_list, default=[2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
                         help="tree sizes to consider, root included")
+    parser.add_argument("--deep-draft-vocab", type=int, default=None, metavar="N",
+                        help="tune for drafting positions past the first over the first N draft tokens (0: the whole "
+                             "draft vocabulary; default: the drafter's setting), written with the budget")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per micro-benchmark")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto")
     parser.add_argument("--device", default=None)
@@ -325,11 +329,15 @@ def run_tune(args) -> int:
     from pathlib import Path
 
     from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_target, runtime_options
+    from .configuration_poss import PosSConfig
     from .evaluation.prompts import chat_prompt, load_prompt_sets
     from .modeling_poss import PosSDrafter
 
     if args.max_depth < 1:
         print("poss tune: error: --max-depth must be >= 1", file=sys.stderr)
+        return 2
+    if args.deep_draft_vocab is not None and args.deep_draft_vocab < 0:
+        print("poss tune: error: --deep-draft-vocab must be >= 0", file=sys.stderr)
         return 2
     shipped = {"default": "poss2", **{name: name for name in DEFAULT_DRAFTERS}}
     folder = default_drafter_path(shipped[args.drafter]) if args.drafter in shipped else Path(args.drafter)
@@ -341,10 +349,16 @@ def run_tune(args) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"poss tune: error: {error}", file=sys.stderr)
         return 2
+    if args.deep_draft_vocab and PosSConfig.from_pretrained(folder).draft_vocab_size is None:
+        print("poss tune: error: --deep-draft-vocab needs a drafter with a reduced draft vocabulary", file=sys.stderr)
+        return 2
     device, dtype = runtime_options(args.threads, args.device, args.dtype)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     target, tokenizer = load_target(args.target, dtype, device)
     drafter = PosSDrafter.from_pretrained(folder).bind_target(target)
+    previous = drafter.generation_config
+    if args.deep_draft_vocab is not None:
+        drafter.generation_config = previous.updated(deep_draft_vocab=args.deep_draft_vocab or None)
     prompts = [tokenizer(chat_prompt(tokenizer, q.turns, []), return_tensors="pt").input_ids
                for questions in prompt_sets.values() for q in questions]
     log(f"{len(prompts)} calibration prompts from {sorted(prompt_sets)}")
@@ -361,8 +375,9 @@ def run_tune(args) -> int:
         return 0
     settings = drafter.generation_config
     record = result.record()
-    record["previous"] = {"tree_depth": settings.tree_depth, "tree_top_k": settings.tree_top_k,
-                          "tree_total_tokens": settings.tree_total_tokens}
+    record["previous"] = {"tree_depth": previous.tree_depth, "tree_top_k": previous.tree_top_k,
+                          "tree_total_tokens": previous.tree_total_tokens, "deep_draft_vocab": previous.deep_draft_vocab}
+    record["deep_draft_vocab"] = settings.deep_draft_vocab
     record["device"] = f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"
     record["command"] = typed_command()
     drafter.generation_config = settings.updated(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BASELINE = "baseline"
-BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens")
+BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens", "deep_draft_vocab")
 
 
 @dataclass
@@ -75,12 +75,14 @@ def assistant_method(assistant_model, name: str = "assistant", source: str | Non
 
 def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None,
                  **budget_overrides) -> list[Method]:
-    """One method per draft mode for a PosS drafter, with its generation config's budget unless overridden."""
+    """One method per draft mode for a PosS drafter, with its generation config's budget unless overridden (an
+    override of None keeps the drafter's setting; `deep_draft_vocab=0` scores the whole draft vocabulary)."""
     unknown = set(budget_overrides) - set(BUDGET_KEYS)
     if unknown:
         raise TypeError(f"unknown budget overrides {sorted(unknown)}; expected some of {BUDGET_KEYS}")
     budget = {key: getattr(drafter.generation_config, key) if budget_overrides.get(key) is None
               else budget_overrides[key] for key in BUDGET_KEYS}
+    budget["deep_draft_vocab"] = budget["deep_draft_vocab"] or None
     methods = []
     for mode in modes:
         if mode not in ("tree", "chain"):

@@ -130,7 +130,7 @@ def batch_tree_assisted_decoding(
             room = max(generation_config.max_length - row.length - 1, 0)  # draft tokens that can still be emitted
             row_start = time.perf_counter()
             tree = draft_tree(row.session, row.input_ids[0, -1], min(budget.tree_depth, room), budget.tree_top_k,
-                              budget.tree_total_tokens)
+                              budget.tree_total_tokens, budget.deep_draft_vocab)
             drafted_sizes.append(len(tree))
             if budget.lookup_num_tokens and room:
                 continuation = lookup_continuation(row.input_ids[0, row.pad :], budget.lookup_ngram_size,

@@ -73,18 +73,18 @@ class PosSCandidateGenerator(CandidateGenerator):
             prefix.append(index.reshape(1, 1).to(input_ids.device))
             return self._to_draft_index(index), logits
 
-        tokens, logits = draft_chain(self.session, depth, pick)
+        tokens, logits = draft_chain(self.session, depth, pick, self.drafter.generation_config.deep_draft_vocab)
         candidates = torch.stack(tokens).reshape(1, -1).to(input_ids.device)
         self._draft_seconds = time.perf_counter() - start
         self._round_start = time.perf_counter()
         return torch.cat((input_ids, candidates), dim=-1), torch.stack(logits)[None]
 
     def _to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits `[Vd]` -> target-vocabulary logits `[V]` (-inf off the draft vocabulary)."""
+        """Logits of the first `n` draft-vocabulary tokens `[n]` -> target-vocabulary logits `[V]` (-inf elsewhere)."""
         if self.drafter.draft_to_target is None:
             return draft_logits
         full = torch.full((self.drafter.config.vocab_size,), float("-inf"), device=draft_logits.device)
-        return full.index_copy(0, self.drafter.draft_to_target, draft_logits)
+        return full.index_copy(0, self.drafter.draft_to_target[: draft_logits.shape[-1]], draft_logits)
 
     def _to_draft_index(self, token: torch.Tensor) -> torch.Tensor:
         if self.drafter.draft_to_target is None:

@@ -108,6 +108,9 @@ def validate_request(target, drafter, generation_config, generation_mode_kwargs)
     """All checks that can run before any forward pass; raises `ValueError`."""
     drafter.generation_config.validate()
     drafter.check_compatible(target)
+    if drafter.generation_config.deep_draft_vocab is not None and drafter.config.draft_vocab_size is None:
+        raise ValueError("deep_draft_vocab needs a drafter with a reduced draft vocabulary (draft_vocab_size); this "
+                         "one drafts over the target's whole vocabulary: leave deep_draft_vocab=None")
     problems = _unsupported_options(generation_config, generation_mode_kwargs)
     if problems:
         raise ValueError("generate() with a PosS drafter does not support: " + "; ".join(problems))

@@ -65,7 +65,7 @@ def tree_assisted_decoding(
         length = input_ids.shape[1]
         room = max(generation_config.max_length - length - 1, 0)  # draft tokens that can still be emitted
         tree = draft_tree(session, input_ids[0, -1], min(budget.tree_depth, room), budget.tree_top_k,
-                          budget.tree_total_tokens)
+                          budget.tree_total_tokens, budget.deep_draft_vocab)
         drafted_nodes = len(tree)
         if budget.lookup_num_tokens and room:
             continuation = lookup_continuation(input_ids[0], budget.lookup_ngram_size,
