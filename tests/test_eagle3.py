@@ -108,7 +108,7 @@ def test_eagle3_unrolled_steps_equal_inference_drafting(num_specialists, k):
         predictions = unrolled_forward(drafter, ids, features, depth)
     seen = []
     original_logits = drafter.logits
-    drafter.logits = lambda feats: (seen.append(feats.clone()), original_logits(feats))[1]
+    drafter.logits = lambda feats, vocab=None: (seen.append(feats.clone()), original_logits(feats, vocab))[1]
     max_error, compared = 0.0, 0
     try:
         for S in range(1, ids.shape[1] - depth):
