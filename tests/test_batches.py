@@ -8,7 +8,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from test_sampling import ALPHA, NEW_TOKENS, SAMPLES, _exact_marginals, _p_values, _wrong_accept_sampling
-from test_sampling import setup as sampling_setup  # noqa: F401 (the fixture: a tiny target and its drafter)
+from test_sampling import setup as sampling_setup  # noqa: F401 (the fixture: a tiny target and its drafters)
 from tiny_models import DEVICE, FAMILIES, prompts
 from transformers_poss.generation import batch_decoding
 
@@ -163,8 +163,8 @@ def _batch_samples(target, drafter, rows, temperature):
 def test_batch_sampling_keeps_each_rows_distribution(sampling_setup, monkeypatch, rule, should_pass):
     """Two rows of a batch (the shorter one left-padded), each checked against its own exact marginals; the same
     test fails when the acceptance rule is wrong."""
-    target, drafter, prompt = sampling_setup
-    drafter = drafter.with_generation_config(draft_mode="tree")
+    target, drafters, prompt = sampling_setup
+    drafter = drafters[None].with_generation_config(draft_mode="tree")
     if rule == "wrong":
         monkeypatch.setattr(batch_decoding, "_accept_sampling", _wrong_accept_sampling)
     temperature = 0.7
@@ -174,3 +174,43 @@ def test_batch_sampling_keeps_each_rows_distribution(sampling_setup, monkeypatch
     p_values = [min(_p_values(row_samples, _exact_marginals(target, row, temperature)))
                 for row, row_samples in zip(rows, samples)]
     assert (min(p_values) > ALPHA / (NEW_TOKENS * len(rows))) == should_pass, p_values
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_batched_draft_equals_each_row_drafted_alone(fitted_pairs, family):
+    """A batched `DraftSession` drafts, for rows of different lengths, depths and commit sizes, the trees that a
+    single-row session drafts for each row alone (three rounds, so specialists catch up over uneven context and the
+    round's node slots move)."""
+    from transformers_poss.generation.drafting import DraftSession, draft_tree, draft_trees
+
+    target, drafter = fitted_pairs(family)
+    rows = prompts(count=3)
+    with torch.no_grad():
+        outs = [target(row, output_hidden_states=drafter.config.input_feature_layers) for row in rows]
+    features = [drafter.target_features(out.hidden_states)[0] for out in outs]
+    roots = [out.logits[0, -1].argmax() for out in outs]
+    next_tokens = [torch.cat((row[0, 1:], root.reshape(1))) for row, root in zip(rows, roots)]
+    # Rounds commit these many positions per row (the rest of each prompt, then what the rows "accepted").
+    first = [2, 5, 9]
+    chunks = [[(0, n) for n in first], [(n, n + k) for n, k in zip(first, (1, 3, 2))],
+              [(n + k, row.shape[1]) for n, k, row in zip(first, (1, 3, 2), rows)]]
+    depth_rounds = [[4, 4, 4], [3, 1, 4], [0, 4, 2]]
+    alone = [DraftSession(drafter) for _ in rows]
+    together = DraftSession(drafter, batch_size=len(rows))
+    for chunk, depths in zip(chunks, depth_rounds):
+        together.commit_rows([f[a:b] for f, (a, b) in zip(features, chunk)],
+                             [t[a:b] for t, (a, b) in zip(next_tokens, chunk)])
+        roots_now = torch.stack([t[b - 1] for t, (a, b) in zip(next_tokens, chunk)])
+        batched = draft_trees(together, roots_now, depths, top_k=3, total_tokens=12)
+        together.end_round()
+        for session, f, t, (a, b), root, depth, tree in zip(alone, features, next_tokens, chunk, roots_now, depths,
+                                                              batched):
+            session.commit(f[a:b], t[a:b])
+            single = draft_tree(session, root, depth, top_k=3, total_tokens=12)
+            session.end_round()
+            assert torch.equal(single.tokens, tree.tokens) and torch.equal(single.parents, tree.parents)
+            assert torch.equal(single.visible, tree.visible)
+            if single.candidates is not None:
+                torch.testing.assert_close(single.candidates.scores, tree.candidates.scores, atol=1e-4, rtol=1e-4)
+    together.select_rows(torch.tensor([2, 0]))  # rows that leave the batch leave the session
+    assert together.batch_size == 2 and together.lengths == [alone[2].lengths[0], alone[0].lengths[0]]

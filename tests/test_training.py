@@ -192,9 +192,9 @@ def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, fea
                 nodes = torch.cat([drafter.project(ids[:, S + i: S + i + 1],
                                                    predictions[i - 1][:, S - 2 + i: S - 1 + i])[0]
                                    for i in range(1, depth)])
-            torch.testing.assert_close(session.context_inputs, context, rtol=0, atol=1e-6)
-            assert session.node_positions.tolist() == list(range(S, S + depth - 1))
-            max_error = max(max_error, (session.node_inputs - nodes).abs().max().item())
+            torch.testing.assert_close(session.context_inputs[0], context, rtol=0, atol=1e-6)
+            assert session.node_positions[0].tolist() == list(range(S, S + depth - 1))
+            max_error = max(max_error, (session.node_inputs[0] - nodes).abs().max().item())
             for j in range(depth):
                 trained = predictions[j][0, S - 1 + j]
                 max_error = max(max_error, (recorded[j] - trained).abs().max().item())

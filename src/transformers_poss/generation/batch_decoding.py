@@ -9,9 +9,9 @@ left-padded with `T` = the longest row. Why: the layout is exactly the one a lef
 and `T` never exceeds the longest row, so sliding-window layers (Gemma3) see no more slots than a single prompt
 would. Rows that stop (EOS, stopping criteria) leave the batch: their cache rows are dropped in the same gather.
 
-Each row has its own `DraftSession` (the drafter is batch-1 by design), fed from that row's verified nodes. A round
-verifies the trees padded to the largest one; padding nodes attend to themselves only, no real node sees them, and
-they are never accepted.
+One `DraftSession` drafts every row's tree at once (one specialist forward per depth for the whole batch), fed from
+each row's verified nodes; rows that leave the batch leave it too. A round verifies the trees padded to the largest
+one; padding nodes attend to themselves only, no real node sees them, and they are never accepted.
 
 Finished rows are padded as plain `generate` pads them: with `pad_token_id` after the row's end when generate has an
 EOS criterion; without one, plain generate keeps generating a finished row until every row is done, and so does this
@@ -26,7 +26,7 @@ import time
 import torch
 
 from ..modeling_poss import PosSDrafter
-from .drafting import DraftSession, DraftTree, draft_tree, graft_branch, lookup_continuation
+from .drafting import DraftSession, DraftTree, draft_trees, graft_branch, lookup_continuation
 from .stats import GenerationStats, PosSGenerateOutput, RoundTrace
 from .tree_decoding import (
     TreeLogits, _accept_greedy, _accept_sampling, _append, _choose, _logits_to_keep, attention_mask_for, compact_cache,
@@ -47,11 +47,10 @@ def left_padding(attention_mask: torch.Tensor) -> torch.LongTensor:
 
 
 class _Row:
-    """One prompt of the batch: its sequence `[1, L_b]` (left padding included), drafter session and statistics."""
+    """One prompt of the batch: its sequence `[1, L_b]` (left padding included) and statistics."""
 
-    def __init__(self, input_ids: torch.LongTensor, pad: int, drafter: PosSDrafter, stats: GenerationStats):
+    def __init__(self, input_ids: torch.LongTensor, pad: int, stats: GenerationStats):
         self.input_ids, self.pad = input_ids, pad
-        self.session = DraftSession(drafter)
         self.stats = stats
         self.finished_length: int | None = None  # sequence length when a stopping criterion first fired
 
@@ -102,7 +101,7 @@ def batch_tree_assisted_decoding(
     feature_layers = drafter.config.input_feature_layers
     keep_rows = 0 if keeps_every_tree_row(model) else torch.empty(0, dtype=torch.long, device=device)
     rows = [
-        _Row(input_ids[b : b + 1], int(pad[b]), drafter,
+        _Row(input_ids[b : b + 1], int(pad[b]),
              GenerationStats(draft_mode="tree", tree_depth=budget.tree_depth,
                              round_traces=[] if budget.record_round_traces else None))
         for b in range(batch)
@@ -117,27 +116,28 @@ def batch_tree_assisted_decoding(
     features = drafter.target_features(out.hidden_states)  # [B, P, nH]
     for b, row in enumerate(rows):
         row.append([_choose(processed[b], do_sample)], [processed[b]], stopping_criteria, pads_finished_rows)
-        row.session.commit(features[b, row.pad :], row.input_ids[0, row.pad + 1 :])
+    session = DraftSession(drafter, batch_size=batch)
+    session.commit_rows([features[b, row.pad :] for b, row in enumerate(rows)],
+                        [row.input_ids[0, row.pad + 1 :] for row in rows])
     active = _still_running(rows, generation_config.max_length, pads_finished_rows)
     if active and len(active) < batch:  # rows that ended at their first token leave the batch
         compact_cache(cache, torch.arange(input_ids.shape[1], device=device), _as_index(active, device))
+        session.select_rows(_as_index(active, device))
 
     while active and any(row.finished_length is None for row in rows):
         start = time.perf_counter()
-        trees, drafted_sizes = [], []
-        for b in active:
-            row = rows[b]
-            room = max(generation_config.max_length - row.length - 1, 0)  # draft tokens that can still be emitted
-            row_start = time.perf_counter()
-            tree = draft_tree(row.session, row.input_ids[0, -1], min(budget.tree_depth, room), budget.tree_top_k,
-                              budget.tree_total_tokens, budget.deep_draft_vocab)
-            drafted_sizes.append(len(tree))
-            if budget.lookup_num_tokens and room:
-                continuation = lookup_continuation(row.input_ids[0, row.pad :], budget.lookup_ngram_size,
-                                                   min(budget.lookup_num_tokens, room))
-                tree = graft_branch(tree, continuation)
-            trees.append(tree)
-            row.stats.draft_seconds.append(time.perf_counter() - row_start)
+        # Draft tokens each row can still emit; all rows draft together to the deepest, each tree cut to its own.
+        rooms = [max(generation_config.max_length - rows[b].length - 1, 0) for b in active]
+        roots = torch.stack([rows[b].input_ids[0, -1] for b in active])
+        trees = draft_trees(session, roots, [min(budget.tree_depth, room) for room in rooms], budget.tree_top_k,
+                            budget.tree_total_tokens, budget.deep_draft_vocab)
+        drafted_sizes = [len(tree) for tree in trees]
+        if budget.lookup_num_tokens:
+            for i, (b, room) in enumerate(zip(active, rooms)):
+                if room:
+                    continuation = lookup_continuation(rows[b].input_ids[0, rows[b].pad :], budget.lookup_ngram_size,
+                                                       min(budget.lookup_num_tokens, room))
+                    trees[i] = graft_branch(trees[i], continuation)
         drafted = time.perf_counter()
 
         past = cache.get_seq_length()
@@ -179,16 +179,21 @@ def batch_tree_assisted_decoding(
             keep = {b: i for i, b in enumerate(active)}
             kept_paths = [torch.tensor(paths[keep[b]], device=device) for b in continuing]
             index = _realigned_slots(past, [rows[b].pad for b in continuing], kept_paths)
-            compact_cache(cache, index, _as_index([keep[b] for b in continuing], device))
+            kept_rows = _as_index([keep[b] for b in continuing], device)
+            compact_cache(cache, index, kept_rows)
+            session.end_round()
+            if len(continuing) < len(active):
+                session.select_rows(kept_rows)
             for b, path in zip(continuing, kept_paths):
-                row = rows[b]
-                row.pad = int(index.shape[1] - (past - row.pad) - path.shape[0])
-                row.session.end_round()
-                row.session.commit(features[keep[b]][path.to(features.device)], row.input_ids[0, -path.shape[0] :])
-        # The verification forward and the bookkeeping are shared: each row is charged an equal part.
+                rows[b].pad = int(index.shape[1] - (past - rows[b].pad) - path.shape[0])
+            session.commit_rows([features[keep[b]][path.to(features.device)] for b, path in zip(continuing, kept_paths)],
+                                [rows[b].input_ids[0, -path.shape[0] :] for b, path in zip(continuing, kept_paths)])
+        # Drafting, the verification forward and the bookkeeping are shared: each row is charged an equal part.
+        draft_share = (drafted - start) / len(active)
         verify_share = (verified - drafted) / len(active)
         bookkeeping_share = (time.perf_counter() - verified) / len(active)
         for b in active:
+            rows[b].stats.draft_seconds.append(draft_share)
             rows[b].stats.verify_seconds.append(verify_share)
             rows[b].stats.bookkeeping_seconds.append(bookkeeping_share)
         active = continuing

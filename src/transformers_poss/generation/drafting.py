@@ -8,12 +8,17 @@ Positions. The target has processed tokens `x_0 .. x_{L-2}` and produced feature
 
 Caches. The layer inputs `fc(...)` of the committed context are stored once. Specialist `s` keeps its own keys and
 values (layer `s` of a `DraftKVCache`), caught up lazily over the context the first time a round reaches it, then
-the draft levels of the current round on top; `end_round` drops the draft levels.
+the draft levels of the current round on top; `end_round` forgets the draft levels.
+
+Batches. A session drafts for `B` rows at once (one specialist forward per depth for all rows); a single prompt is a
+batch of one. Row `b` has its own committed length `S_b`; its context sits in slots `0 .. S_b - 1` of every buffer
+and the round's nodes, which every row has the same number of, in slots `M .. M + N - 1` with `M = max_b S_b`, so
+the nodes of all rows are written and masked alike. Slots between `S_b` and `M` are masked for row `b`.
 
 Cost. A draft round works in buffers that grow only when a call needs more room: the context's layer inputs, each
 specialist's keys and values (written in place, never concatenated), the round's node inputs, positions and
 node-to-node attention mask, and the scored candidates. Shapes per depth are static (the frontier is always
-`min(top_k, draft vocabulary)` wide) and nothing is read back to the host until the tree is assembled.
+`min(top_k, draft vocabulary)` wide) and nothing is read back to the host until the trees are assembled.
 """
 
 from __future__ import annotations
@@ -21,130 +26,176 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn import functional as F
 
-from ..modeling_poss import PosSDrafter, additive_mask
+from ..modeling_poss import PosSDrafter
 
 
 def _grown(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """`buffer` if it holds at least `rows` along `dim`, else a buffer twice that size (shaped like `like` elsewhere)
-    with the old contents copied."""
+    """`buffer` if it holds at least `rows` along `dim`, else a zero-filled buffer twice that size (shaped like `like`
+    elsewhere) with the old contents copied. Zeros: masked slots are still read by attention, and must be finite."""
     if buffer is not None and buffer.shape[dim] >= rows:
         return buffer
     shape = list(like.shape)
     shape[dim] = max(2 * rows, 16)
-    grown = like.new_empty(shape)
+    grown = like.new_zeros(shape)
     if buffer is not None:
         grown.narrow(dim, 0, buffer.shape[dim]).copy_(buffer)
     return grown
 
 
 class DraftKVCache:
-    """Keys and values of the drafter's specialists, one layer each, written in place into growing buffers.
+    """Keys and values of the drafter's specialists, one layer each, for `B` rows, written in place into growing
+    buffers at slots the session chooses.
 
     It speaks the one cache method transformers' attention layers call, `update(keys, values, layer_idx)`, with
-    `keys`/`values` `[1, H_kv, q, D]`, and returns the layer's keys/values so far `[1, H_kv, length, D]` (views).
+    `keys`/`values` `[B, H_kv, q, D]`: query `j` of row `b` is written at slot `slots + j` (an int, the same for every
+    row) or `slots[b, j]` (a `[B, q]` tensor), as set by `write_at`; it returns the first `width` slots of the layer
+    `[B, H_kv, width, D]` (views). One slot past `width` is kept for writes that nothing reads (padded queries).
     """
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.lengths = [0] * num_layers
+        self.slots: int | torch.Tensor = 0
+        self.width = 0
+        self._rows: torch.Tensor | None = None
+
+    def write_at(self, slots: int | torch.LongTensor, width: int) -> None:
+        self.slots, self.width = slots, width
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        start, end = self.lengths[layer_idx], self.lengths[layer_idx] + key_states.shape[-2]
-        self.keys[layer_idx] = keys = _grown(self.keys[layer_idx], end, key_states, dim=-2)
-        self.values[layer_idx] = values = _grown(self.values[layer_idx], end, value_states, dim=-2)
-        keys[..., start:end, :].copy_(key_states)
-        values[..., start:end, :].copy_(value_states)
-        self.lengths[layer_idx] = end
-        return keys[..., :end, :], values[..., :end, :]
+        self.keys[layer_idx] = keys = _grown(self.keys[layer_idx], self.width + 1, key_states, dim=-2)
+        self.values[layer_idx] = values = _grown(self.values[layer_idx], self.width + 1, value_states, dim=-2)
+        if isinstance(self.slots, int):
+            end = self.slots + key_states.shape[-2]
+            keys[..., self.slots : end, :].copy_(key_states)
+            values[..., self.slots : end, :].copy_(value_states)
+        else:
+            if self._rows is None or self._rows.shape[0] != keys.shape[0]:
+                self._rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
+            keys.transpose(1, 2)[self._rows, self.slots] = key_states.transpose(1, 2)
+            values.transpose(1, 2)[self._rows, self.slots] = value_states.transpose(1, 2)
+        return keys[..., : self.width, :], values[..., : self.width, :]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.lengths[layer_idx]
-
-    def crop_layer(self, layer_idx: int, length: int) -> None:
-        self.lengths[layer_idx] = length
+    def select_rows(self, index: torch.LongTensor) -> None:
+        """Keep the rows `index` `[B']`, in that order."""
+        self.keys = [None if k is None else k[index] for k in self.keys]
+        self.values = [None if v is None else v[index] for v in self.values]
 
 
 class DraftSession:
-    """Drafter state across the rounds of one `generate` call (batch size 1)."""
+    """Drafter state across the rounds of one `generate` call, for `batch_size` rows."""
 
-    def __init__(self, drafter: PosSDrafter):
+    def __init__(self, drafter: PosSDrafter, batch_size: int = 1):
         self.drafter = drafter
         n = drafter.config.num_specialists
+        self.batch_size = batch_size
         self.cache = DraftKVCache(n)
-        self.context_length = 0  # S: committed positions
-        self._context_inputs: torch.Tensor | None = None  # [>= S, layer_input_size] inputs of the committed context
-        self.context_cached = [0] * n  # context positions in each specialist's cache
-        self.nodes_cached = [0] * n  # round nodes in each specialist's cache (after its context)
-        self.context_features: list[torch.Tensor | None] = [None] * n  # each specialist's output at position S - 1
-        self.node_count = 0  # N: round nodes fed so far
-        self._node_inputs: torch.Tensor | None = None  # [>= N, layer_input_size]
-        self._node_positions: torch.Tensor | None = None  # [>= N]
-        # Additive node-to-node mask [>= N + 1, >= N]: row i attends to its ancestors and itself (0), nothing else
-        # (-inf); the last row stays all -inf, the row of the root's children's "parent".
+        self.lengths = [0] * batch_size  # S_b: committed positions of each row
+        self._context_inputs: torch.Tensor | None = None  # [B, >= max S_b, layer_input_size] committed layer inputs
+        self.context_cached: list[list[int] | None] = [None] * n  # each specialist's context positions per row
+        self.nodes_cached = [0] * n  # round nodes in each specialist's cache
+        self.context_features: list[torch.Tensor | None] = [None] * n  # each specialist's output at S_b - 1 [B, H]
+        self.node_count = 0  # N: round nodes fed so far (per row)
+        self._node_inputs: torch.Tensor | None = None  # [B, >= N, layer_input_size]
+        self._node_positions: torch.Tensor | None = None  # [B, >= N]
+        # Additive node-to-node mask [B, >= N + 1, >= N]: row i attends to its ancestors and itself (0), nothing else
+        # (min); the last row stays all min, the row of the root's children's "parent".
         self._node_mask: torch.Tensor | None = None
         self._diagonal: torch.Tensor | None = None  # arange of the node capacity
+        self._batch_index: torch.Tensor | None = None  # arange(B)[:, None]
+
+    @property
+    def context_length(self) -> int:
+        """`M = max_b S_b`: where the round's nodes start in every row (S for a single row)."""
+        return max(self.lengths)
 
     @property
     def context_inputs(self) -> torch.Tensor:
-        """Layer inputs of the committed context `[S, layer_input_size]`."""
-        return self._context_inputs[: self.context_length]
+        """Layer inputs of the committed context `[B, M, layer_input_size]` (row b's are its first `S_b`)."""
+        return self._context_inputs[:, : self.context_length]
 
     @property
     def node_inputs(self) -> torch.Tensor:
-        """Layer inputs of this round's fed nodes `[N, layer_input_size]`."""
-        return self._node_inputs[: self.node_count]
+        """Layer inputs of this round's fed nodes `[B, N, layer_input_size]`."""
+        return self._node_inputs[:, : self.node_count]
 
     @property
     def node_positions(self) -> torch.LongTensor:
-        """Drafter positions of this round's fed nodes `[N]`."""
-        return self._node_positions[: self.node_count]
+        """Drafter positions of this round's fed nodes `[B, N]`."""
+        return self._node_positions[:, : self.node_count]
 
     @torch.no_grad()
     def commit(self, target_features: torch.Tensor, next_tokens: torch.LongTensor) -> None:
-        """Append committed positions: target features `[n, nH]` of accepted tokens (`drafter.target_features`)
-        and the tokens after them `[n]`."""
-        features = self.drafter.fuse_features(target_features[None])
-        inputs = self.drafter.project(next_tokens[None], features)[0]
-        end = self.context_length + inputs.shape[0]
-        self._context_inputs = _grown(self._context_inputs, end, inputs)
-        self._context_inputs[self.context_length : end] = inputs
-        self.context_length = end
+        """Append committed positions to a single-row session: target features `[n, nH]` of accepted tokens
+        (`drafter.target_features`) and the tokens after them `[n]`."""
+        self.commit_rows([target_features], [next_tokens])
+
+    @torch.no_grad()
+    def commit_rows(self, target_features: list[torch.Tensor], next_tokens: list[torch.LongTensor]) -> None:
+        """Append committed positions to every row: per row, target features `[n_b, nH]` and next tokens `[n_b]`
+        (`n_b >= 1`)."""
+        if len(target_features) != self.batch_size or len(next_tokens) != self.batch_size:
+            raise ValueError(f"commit_rows needs one entry per row ({self.batch_size})")
+        counts = [f.shape[0] for f in target_features]
+        width = max(counts)
+        if width == 0:
+            return
+        features = torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - n)) for f, n in zip(target_features, counts)])
+        tokens = torch.stack([torch.nn.functional.pad(t, (0, width - n)) for t, n in zip(next_tokens, counts)])
+        inputs = self.drafter.project(tokens, self.drafter.fuse_features(features))  # [B, width, W]
+        self._context_inputs = _grown(self._context_inputs, max(s + n for s, n in zip(self.lengths, counts)), inputs,
+                                      dim=1)
+        for b, n in enumerate(counts):
+            self._context_inputs[b, self.lengths[b] : self.lengths[b] + n] = inputs[b, :n]
+            self.lengths[b] += n
+
+    def select_rows(self, index: torch.LongTensor) -> None:
+        """Keep the rows `index` `[B']` (e.g. those that go on generating), in that order; between rounds."""
+        rows = index.tolist()
+        self.batch_size = len(rows)
+        self.lengths = [self.lengths[b] for b in rows]
+        self._context_inputs = self._context_inputs[index]
+        self.cache.select_rows(index)
+        self.context_cached = [None if c is None else [c[b] for b in rows] for c in self.context_cached]
+        self.context_features = [None if f is None else f[index] for f in self.context_features]
+        self._node_inputs = self._node_mask = self._node_positions = self._batch_index = None
 
     def begin_round(self, max_nodes: int) -> None:
-        """Make room for up to `max_nodes` fed nodes this round (buffers grow only when a round needs more)."""
-        if self._node_inputs is not None and self._node_inputs.shape[0] >= max_nodes:
+        """Make room for up to `max_nodes` fed nodes per row this round (buffers grow only when a round needs more)."""
+        if self._node_inputs is not None and self._node_inputs.shape[1] >= max_nodes:
             return
-        weight = self.drafter.fc.weight
+        weight, B = self.drafter.fc.weight, self.batch_size
         capacity = max(max_nodes, 8)
-        self._node_inputs = weight.new_empty(capacity, self.drafter.layer_input_size)
-        self._node_positions = torch.empty(capacity, dtype=torch.long, device=weight.device)
-        self._node_mask = torch.full((capacity + 1, capacity), torch.finfo(weight.dtype).min, dtype=weight.dtype,
+        self._node_inputs = weight.new_zeros(B, capacity, self.drafter.layer_input_size)
+        self._node_positions = torch.zeros(B, capacity, dtype=torch.long, device=weight.device)
+        self._node_mask = torch.full((B, capacity + 1, capacity), torch.finfo(weight.dtype).min, dtype=weight.dtype,
                                      device=weight.device)
         self._diagonal = torch.arange(capacity, device=weight.device)
+        self._batch_index = torch.arange(B, device=weight.device)[:, None]
 
     def end_round(self) -> None:
-        """Drop this round's draft levels from every specialist cache."""
-        for s, cached in enumerate(self.nodes_cached):
-            if cached:
-                self.cache.crop_layer(s, self.context_cached[s])
+        """Forget this round's draft levels (their cache slots are rewritten by the next round's)."""
         self.nodes_cached = [0] * len(self.nodes_cached)
         self.node_count = 0
 
-    def add_nodes(self, inputs: torch.Tensor, position: int, parent_nodes: torch.LongTensor) -> int:
-        """Feed round nodes: layer inputs `[n, layer_input_size]`, all at drafter `position`, parent node index
-        `[n]` (-1: the root). Returns the index of the first new node."""
-        first, n = self.node_count, inputs.shape[0]
-        if self._node_inputs is None or first + n > self._node_inputs.shape[0]:
+    def add_nodes(self, inputs: torch.Tensor, level: int, parent_nodes: torch.LongTensor) -> int:
+        """Feed round nodes of draft level `level` (>= 2): layer inputs `[B, n, layer_input_size]`, at drafter
+        position `S_b + level - 2` of each row, parent node index `[B, n]` (-1: the root). Returns the index of the
+        first new node."""
+        first, n = self.node_count, inputs.shape[1]
+        if self._node_inputs is None or first + n > self._node_inputs.shape[1]:
             raise RuntimeError("DraftSession.begin_round must reserve room for the round's nodes")
         rows = self._diagonal[first : first + n]
-        self._node_inputs[first : first + n] = inputs
-        self._node_positions[first : first + n] = position
-        parent_rows = torch.where(parent_nodes >= 0, parent_nodes, self._node_mask.shape[0] - 1)
-        self._node_mask[first : first + n] = self._node_mask[parent_rows]
-        self._node_mask[rows, rows] = 0
+        self._node_inputs[:, first : first + n] = inputs
+        if self.batch_size == 1:
+            self._node_positions[:, first : first + n] = self.lengths[0] + level - 2
+        else:
+            lengths = torch.tensor(self.lengths, device=inputs.device)
+            self._node_positions[:, first : first + n] = (lengths + level - 2)[:, None]
+        parent_rows = torch.where(parent_nodes >= 0, parent_nodes, self._node_mask.shape[1] - 1)
+        self._node_mask[:, first : first + n] = self._node_mask[self._batch_index, parent_rows]
+        self._node_mask[:, rows, rows] = 0
         self.node_count = first + n
         return first
 
@@ -153,36 +204,56 @@ class DraftSession:
         """Bring `specialist` up to date over the context and round nodes.
 
         Returns:
-            (feature predicted at the last context position `[H]`, predicted features of the round nodes it had not
-            yet run `[n_new_nodes, H]`).
+            (feature predicted at each row's last context position `[B, H]`, predicted features of the round nodes
+            it had not yet run `[B, n_new_nodes, H]`).
         """
-        S, N = self.context_length, self.node_count
-        c, r = self.context_cached[specialist], self.nodes_cached[specialist]
-        if c == S and r == N:  # already up to date (a second draft on the same context)
-            return self.context_features[specialist], self._context_inputs[:0]
-        node_mask = self._node_mask[r:N, :N] if N else None
-        if c == S:  # the common case: only this round's new nodes
-            queries, positions = self._node_inputs[r:N], self._node_positions[r:N]
-            mask = F.pad(node_mask, (S, 0))
-        else:  # catch up over new context positions (then every node of the round: its cache has none yet)
+        S, M, N = self.lengths, self.context_length, self.node_count
+        cached, r = self.context_cached[specialist] or [0] * self.batch_size, self.nodes_cached[specialist]
+        if cached == S and r == N:  # already up to date (a second draft on the same context)
+            return self.context_features[specialist], self._context_inputs[:, :0]
+        dtype, device = self._context_inputs.dtype, self._context_inputs.device
+        minimum = torch.finfo(dtype).min
+        if cached == S:  # the common case: only this round's new nodes, in slots M + r .. M + N - 1 of every row
+            queries, positions = self._node_inputs[:, r:N], self._node_positions[:, r:N]
+            mask = torch.cat((self._context_visible(S, M, N - r, dtype), self._node_mask[:, r:N, :N]), dim=-1)
+            slots, new = M + r, 0
+        else:  # catch up over each row's new context positions, then every node of the round
             assert r == 0, "a specialist's round nodes must sit on a complete context"
-            device = self._context_inputs.device
-            context_positions = torch.arange(c, S, device=device)
-            queries, positions = self._context_inputs[c:S], context_positions
-            causal = additive_mask(torch.arange(S, device=device)[None, :] <= context_positions[:, None],
-                                   queries.dtype)[0, 0]
-            mask = F.pad(causal, (0, N), value=torch.finfo(queries.dtype).min)
+            counts = [s - c for s, c in zip(S, cached)]
+            new = max(counts)
+            steps = torch.arange(new, device=device)
+            start = torch.tensor(cached, device=device)[:, None]
+            real = steps[None, :] < torch.tensor(counts, device=device)[:, None]  # [B, new]
+            context_positions = torch.where(real, start + steps, start + torch.tensor(counts, device=device)[:, None] - 1)
+            queries = self._context_inputs[torch.arange(self.batch_size, device=device)[:, None], context_positions]
+            slot_ids = torch.arange(M + N, device=device)
+            allowed = slot_ids[None, None, :] <= context_positions[:, :, None]  # causal over the context slots
+            context_mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, minimum)
+            context_mask[..., M:] = minimum
+            positions = context_positions
+            slots = torch.where(real, context_positions, M + N)  # padded queries write past what is read
             if N:
-                queries = torch.cat((queries, self._node_inputs[:N]))
-                positions = torch.cat((positions, self._node_positions[:N]))
-                mask = torch.cat((mask, F.pad(node_mask, (S, 0))))
-        assert self.cache.get_seq_length(specialist) == c + r
-        out = self.drafter.run_specialist(specialist, queries[None], positions[None], mask[None, None], self.cache)[0]
-        n_ctx = S - c
-        self.context_cached[specialist], self.nodes_cached[specialist] = S, N
-        if n_ctx:
-            self.context_features[specialist] = out[n_ctx - 1]
-        return self.context_features[specialist], out[n_ctx:]
+                queries = torch.cat((queries, self._node_inputs[:, :N]), dim=1)
+                positions = torch.cat((positions, self._node_positions[:, :N]), dim=1)
+                node_mask = torch.cat((self._context_visible(S, M, N, dtype), self._node_mask[:, :N, :N]), dim=-1)
+                context_mask = torch.cat((context_mask, node_mask), dim=1)
+                slots = torch.cat((slots, (M + self._diagonal[:N]).expand(self.batch_size, N)), dim=1)
+            mask = context_mask
+        self.cache.write_at(slots, M + N)
+        out = self.drafter.run_specialist(specialist, queries, positions, mask[:, None], self.cache)
+        self.context_cached[specialist], self.nodes_cached[specialist] = list(S), N
+        if new:
+            last = torch.tensor([n - 1 for n in counts], device=device)
+            self.context_features[specialist] = out[torch.arange(self.batch_size, device=device), last]
+        return self.context_features[specialist], out[:, new:]
+
+    def _context_visible(self, lengths: list[int], width: int, queries: int, dtype) -> torch.Tensor:
+        """Additive mask `[B, queries, width]` over the context slots: row b sees its first `S_b`."""
+        mask = torch.zeros(self.batch_size, queries, width, dtype=dtype, device=self._context_inputs.device)
+        for b, length in enumerate(lengths):
+            if length < width:
+                mask[b, :, length:] = torch.finfo(dtype).min
+        return mask
 
 
 @dataclass
@@ -232,62 +303,79 @@ def _log_probs(drafter: PosSDrafter, features: torch.Tensor, vocab: int | None =
 @torch.no_grad()
 def draft_tree(session: DraftSession, root_token: torch.LongTensor, depth: int, top_k: int,
                total_tokens: int, deep_vocab: int | None = None) -> DraftTree:
-    """EAGLE-2 dynamic tree with position specialists.
+    """The draft tree of a single-row session (see `draft_trees`), rooted at `root_token` (0-dim)."""
+    return draft_trees(session, root_token.reshape(1), [depth], top_k, total_tokens, deep_vocab)[0]
+
+
+@torch.no_grad()
+def draft_trees(session: DraftSession, root_tokens: torch.LongTensor, depths: list[int], top_k: int,
+                total_tokens: int, deep_vocab: int | None = None) -> list[DraftTree]:
+    """EAGLE-2 dynamic trees with position specialists, one per row of `session`, rooted at `root_tokens` `[B]`.
 
     Depth 1 expands the root's top-k; each later depth feeds the `top_k` best frontier nodes through the specialist
     of that position, takes each node's top-k by cumulative log-probability (over the first `deep_vocab` draft
-    tokens when given) and keeps the best `top_k` of `top_k^2` as the next frontier. All scored candidates are reranked; the best `total_tokens - 1` (closed under ancestors,
-    since a child never scores above its parent) form the tree with the root.
+    tokens when given) and keeps the best `top_k` of `top_k^2` as the next frontier. All scored candidates are
+    reranked; the best `total_tokens - 1` (closed under ancestors, since a child never scores above its parent) form
+    the tree with the root. Rows draft together to the deepest of `depths`; row b's tree takes the candidates of
+    depth <= `depths[b]` only, which are the ones a draft of that depth scores.
     """
     drafter, config = session.drafter, session.drafter.config
-    device = root_token.device
-    budget = min(total_tokens - 1, max_tree_nodes(depth, top_k))
-    if budget <= 0 or depth <= 0:
-        return _make_tree(root_token, device)
+    device = root_tokens.device
+    budgets = [min(total_tokens - 1, max_tree_nodes(d, top_k)) if d > 0 else 0 for d in depths]
+    depth = max((d for d, budget in zip(depths, budgets) if budget > 0), default=0)
+    if depth == 0:
+        return [_make_tree(root, device) for root in root_tokens]
 
-    root_feature, _ = session.run(config.specialist_for_position(1))
-    log_probs = _log_probs(drafter, root_feature)  # [V']
-    k = min(top_k, log_probs.shape[-1])  # the frontier's width at every depth
+    root_features, _ = session.run(config.specialist_for_position(1))  # [B, H]
+    log_probs = _log_probs(drafter, root_features)  # [B, V']
+    B, k = log_probs.shape[0], min(top_k, log_probs.shape[-1])  # k: the frontier's width at every depth
     session.begin_round((depth - 1) * k)
     capacity = k + (depth - 1) * k * k
-    cand_tokens = torch.empty(capacity, dtype=torch.long, device=device)
-    cand_parents = torch.empty(capacity, dtype=torch.long, device=device)
-    cand_depths = torch.empty(capacity, dtype=torch.long, device=device)
-    cand_scores = torch.empty(capacity, dtype=torch.float32, device=device)
-    scores, draft_ids = log_probs.topk(k)
-    cand_tokens[:k] = drafter.to_target_ids(draft_ids)
-    cand_scores[:k] = scores
-    cand_parents[:k] = -1
-    cand_depths[:k] = 1
-    frontier = torch.arange(k, device=device)  # candidate indices
-    frontier_scores, frontier_tokens = scores, cand_tokens[:k]
-    frontier_features = root_feature.expand(k, -1)
-    frontier_nodes = torch.full((k,), -1, dtype=torch.long, device=device)  # fed-node index of each one's parent
+    cand_tokens = torch.empty(B, capacity, dtype=torch.long, device=device)
+    cand_parents = torch.empty(B, capacity, dtype=torch.long, device=device)
+    cand_depths = torch.empty(B, capacity, dtype=torch.long, device=device)
+    cand_scores = torch.empty(B, capacity, dtype=torch.float32, device=device)
+    scores, draft_ids = log_probs.topk(k)  # [B, k]
+    cand_tokens[:, :k] = drafter.to_target_ids(draft_ids)
+    cand_scores[:, :k] = scores
+    cand_parents[:, :k] = -1
+    cand_depths[:, :k] = 1
+    frontier = torch.arange(k, device=device).expand(B, k)  # candidate indices
+    frontier_scores, frontier_tokens = scores, cand_tokens[:, :k]
+    frontier_features = root_features[:, None].expand(-1, k, -1)
+    frontier_nodes = torch.full((B, k), -1, dtype=torch.long, device=device)  # fed-node index of each one's parent
     count = k
     for d in range(2, depth + 1):
-        inputs = drafter.project(frontier_tokens[None], frontier_features[None])[0]
-        first = session.add_nodes(inputs, session.context_length + d - 2, frontier_nodes)
+        inputs = drafter.project(frontier_tokens, frontier_features)  # [B, k, W]
+        first = session.add_nodes(inputs, d, frontier_nodes)
         _, node_features = session.run(config.specialist_for_position(d))
-        node_features = node_features[-k:]
-        child_scores, child_ids = _log_probs(drafter, node_features, deep_vocab).topk(k, dim=-1)  # [k, k]
-        cumulative = (frontier_scores[:, None] + child_scores).reshape(-1)
+        node_features = node_features[:, -k:]  # [B, k, H]
+        child_scores, child_ids = _log_probs(drafter, node_features, deep_vocab).topk(k, dim=-1)  # [B, k, k]
+        cumulative = (frontier_scores[..., None] + child_scores).reshape(B, k * k)
         new = slice(count, count + k * k)
-        cand_tokens[new] = drafter.to_target_ids(child_ids.reshape(-1))
-        cand_scores[new] = cumulative
-        cand_parents[new] = frontier.repeat_interleave(k)
-        cand_depths[new] = d
+        cand_tokens[:, new] = drafter.to_target_ids(child_ids.reshape(B, k * k))
+        cand_scores[:, new] = cumulative
+        cand_parents[:, new] = frontier.repeat_interleave(k, dim=1)
+        cand_depths[:, new] = d
         if d < depth:
-            frontier_scores, keep = cumulative.topk(k)
+            frontier_scores, keep = cumulative.topk(k)  # [B, k]
             frontier = count + keep
-            frontier_tokens = cand_tokens[frontier]
+            frontier_tokens = cand_tokens.gather(1, frontier)
             parent_of_kept = keep // k
-            frontier_features = node_features[parent_of_kept]
+            frontier_features = node_features.gather(1, parent_of_kept[..., None].expand(-1, -1, node_features.shape[-1]))
             frontier_nodes = first + parent_of_kept
         count += k * k
 
-    candidates = DraftCandidates(cand_tokens[:count], cand_parents[:count], cand_depths[:count], cand_scores[:count])
-    chosen = select_candidates(candidates.scores, budget)
-    return _make_tree(root_token, device, candidates, chosen, depth)
+    trees = []
+    for b, (row_depth, budget) in enumerate(zip(depths, budgets)):
+        if budget <= 0 or row_depth <= 0:
+            trees.append(_make_tree(root_tokens[b], device))
+            continue
+        n = k + (min(row_depth, depth) - 1) * k * k  # candidates of depth <= row_depth come first
+        candidates = DraftCandidates(cand_tokens[b, :n], cand_parents[b, :n], cand_depths[b, :n], cand_scores[b, :n])
+        trees.append(_make_tree(root_tokens[b], device, candidates, select_candidates(candidates.scores, budget),
+                                row_depth))
+    return trees
 
 
 def select_candidates(scores: torch.Tensor, budget: int) -> torch.LongTensor:
@@ -386,9 +474,11 @@ def draft_chain(session: DraftSession, depth: int, pick,
         (target token ids, one 0-dim tensor per level; processed logits `[V]` per level).
     """
     drafter, config = session.drafter, session.drafter.config
+    if session.batch_size != 1:
+        raise ValueError("draft_chain drafts for a single-row session")
     tokens, logits = [], []
     session.begin_round(depth - 1)
-    feature, _ = session.run(config.specialist_for_position(1))
+    feature = session.run(config.specialist_for_position(1))[0][0]
     for level in range(1, depth + 1):
         draft_index, processed = pick(level, drafter.logits(feature, deep_vocab if level > 1 else None).float())
         token = drafter.to_target_ids(draft_index)
@@ -396,9 +486,8 @@ def draft_chain(session: DraftSession, depth: int, pick,
         logits.append(processed)
         if level == depth:
             break
-        inputs = drafter.project(token.reshape(1, 1), feature.reshape(1, 1, -1))[0]
-        parent = torch.tensor([level - 2], device=inputs.device)  # previous chain node (-1 = root for level 1)
-        session.add_nodes(inputs, session.context_length + level - 1, parent)
-        _, feature = session.run(config.specialist_for_position(level + 1))
-        feature = feature[-1]
+        inputs = drafter.project(token.reshape(1, 1), feature.reshape(1, 1, -1))
+        parent = torch.tensor([[level - 2]], device=inputs.device)  # previous chain node (-1 = root for level 1)
+        session.add_nodes(inputs, level + 1, parent)
+        feature = session.run(config.specialist_for_position(level + 1))[1][0, -1]
     return tokens, logits
