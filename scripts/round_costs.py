@@ -1,9 +1,9 @@
 """Where a speculative round's time goes: drafting per depth, verification in decode steps, bookkeeping.
 
 Runs the shipped PosS-2 drafter (or `--drafter`) on the default target over chat prompts for several tree budgets
-(without the prompt-lookup branch; a fourth field sets `deep_draft_vocab`), after timing plain greedy decoding on the same prompts, and prints one row per
-budget: tau, median draft ms per round and per depth, median verify ms and decode steps, median bookkeeping ms,
-tokens/s and speedup over plain decoding. `--json` writes the rows. Greedy, one process, nothing else running:
+(without the prompt-lookup branch; a fourth field sets `deep_draft_vocab`), after timing plain greedy decoding on the
+same prompts, and prints one row per budget: tau, median draft ms per round and per depth, median verify ms and
+decode steps, median bookkeeping ms, tokens/s and speedup over plain decoding. `--json` writes the rows. Greedy, one process, nothing else running:
 
     python scripts/round_costs.py --dtype bfloat16 --threads 2 --prompts ../shared/data/specbench/mt_bench.jsonl
 """
@@ -76,7 +76,8 @@ def main(argv=None) -> int:
             tokens += out.sequences.shape[1] - ids.shape[1]
             seconds += elapsed
         row = {
-            "budget": f"{depth}/{top_k}/{total}" + (f"/{deep_vocab}" if deep_vocab else ""), "tau": statistics.fmean(lengths) + 1,
+            "budget": f"{depth}/{top_k}/{total}" + (f"/{deep_vocab}" if deep_vocab else ""),
+            "tau": statistics.fmean(lengths) + 1,
             "draft_ms": 1e3 * statistics.median(draft), "draft_ms_per_depth": 1e3 * statistics.median(draft) / depth,
             "verify_ms": 1e3 * statistics.median(verify), "verify_decode_steps": statistics.median(verify) / decode,
             "bookkeeping_ms": 1e3 * statistics.median(bookkeeping), "tokens_per_s": tokens / seconds,

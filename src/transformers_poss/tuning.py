@@ -195,8 +195,8 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     """Calibrate on `prompts` (token ids `[1, L]` each) and rank every budget in the grid by predicted tokens/s.
 
     The drafter must be bound to `target`; its settings are left as they are (calibration passes views of it with
-    other settings, `with_generation_config`; its `deep_draft_vocab` applies throughout). The prompt-lookup branch (`lookup_num_tokens`) is not modelled:
-    calibration runs without it, and the budget is chosen for the drafted tree.
+    other settings, `with_generation_config`; its `deep_draft_vocab` applies throughout). The prompt-lookup branch
+    (`lookup_num_tokens`) is not modelled: calibration runs without it, and the budget is chosen for the drafted tree.
     """
     log = progress or (lambda message: None)
     if not prompts:
@@ -375,8 +375,8 @@ def run_tune(args) -> int:
         return 0
     settings = drafter.generation_config
     record = result.record()
-    record["previous"] = {"tree_depth": previous.tree_depth, "tree_top_k": previous.tree_top_k,
-                          "tree_total_tokens": previous.tree_total_tokens, "deep_draft_vocab": previous.deep_draft_vocab}
+    record["previous"] = {key: getattr(previous, key)
+                          for key in ("tree_depth", "tree_top_k", "tree_total_tokens", "deep_draft_vocab")}
     record["deep_draft_vocab"] = settings.deep_draft_vocab
     record["device"] = f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"
     record["command"] = typed_command()

@@ -186,8 +186,9 @@ def batch_tree_assisted_decoding(
                 session.select_rows(kept_rows)
             for b, path in zip(continuing, kept_paths):
                 rows[b].pad = int(index.shape[1] - (past - rows[b].pad) - path.shape[0])
-            session.commit_rows([features[keep[b]][path.to(features.device)] for b, path in zip(continuing, kept_paths)],
-                                [rows[b].input_ids[0, -path.shape[0] :] for b, path in zip(continuing, kept_paths)])
+            kept = list(zip(continuing, kept_paths))
+            session.commit_rows([features[keep[b]][path.to(features.device)] for b, path in kept],
+                                [rows[b].input_ids[0, -path.shape[0] :] for b, path in kept])
         # Drafting, the verification forward and the bookkeeping are shared: each row is charged an equal part.
         draft_share = (drafted - start) / len(active)
         verify_share = (verified - drafted) / len(active)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from ..modeling_poss import PosSDrafter
 
@@ -141,8 +142,8 @@ class DraftSession:
         width = max(counts)
         if width == 0:
             return
-        features = torch.stack([torch.nn.functional.pad(f, (0, 0, 0, width - n)) for f, n in zip(target_features, counts)])
-        tokens = torch.stack([torch.nn.functional.pad(t, (0, width - n)) for t, n in zip(next_tokens, counts)])
+        features = torch.stack([F.pad(f, (0, 0, 0, width - n)) for f, n in zip(target_features, counts)])
+        tokens = torch.stack([F.pad(t, (0, width - n)) for t, n in zip(next_tokens, counts)])
         inputs = self.drafter.project(tokens, self.drafter.fuse_features(features))  # [B, width, W]
         self._context_inputs = _grown(self._context_inputs, max(s + n for s, n in zip(self.lengths, counts)), inputs,
                                       dim=1)
@@ -223,8 +224,9 @@ class DraftSession:
             new = max(counts)
             steps = torch.arange(new, device=device)
             start = torch.tensor(cached, device=device)[:, None]
-            real = steps[None, :] < torch.tensor(counts, device=device)[:, None]  # [B, new]
-            context_positions = torch.where(real, start + steps, start + torch.tensor(counts, device=device)[:, None] - 1)
+            count = torch.tensor(counts, device=device)[:, None]
+            real = steps[None, :] < count  # [B, new]: padded queries repeat the row's last new position
+            context_positions = torch.where(real, start + steps, start + count - 1)
             queries = self._context_inputs[torch.arange(self.batch_size, device=device)[:, None], context_positions]
             slot_ids = torch.arange(M + N, device=device)
             allowed = slot_ids[None, None, :] <= context_positions[:, :, None]  # causal over the context slots
@@ -362,7 +364,7 @@ def draft_trees(session: DraftSession, root_tokens: torch.LongTensor, depths: li
             frontier = count + keep
             frontier_tokens = cand_tokens.gather(1, frontier)
             parent_of_kept = keep // k
-            frontier_features = node_features.gather(1, parent_of_kept[..., None].expand(-1, -1, node_features.shape[-1]))
+            frontier_features = node_features.gather(1, parent_of_kept[..., None].expand_as(node_features))
             frontier_nodes = first + parent_of_kept
         count += k * k
 
