@@ -1,8 +1,6 @@
 """Batched tree decoding: every row of a left-padded batch is the row plain batched `generate` gives, and the row
 generated alone; rows end at different times; sampling keeps each row's distribution."""
 
-import copy
-
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList

@@ -9,7 +9,6 @@ runs both methods answer with the same text, and every turn is a paired sample o
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path

@@ -93,6 +93,7 @@ class DraftSession:
         self.batch_size = batch_size
         self.cache = DraftKVCache(n)
         self.lengths = [0] * batch_size  # S_b: committed positions of each row
+        self._lengths_tensor: torch.Tensor | None = None  # the same `[B, 1]`, on the drafter's device
         self._context_inputs: torch.Tensor | None = None  # [B, >= max S_b, layer_input_size] committed layer inputs
         self.context_cached: list[list[int] | None] = [None] * n  # each specialist's context positions per row
         self.nodes_cached = [0] * n  # round nodes in each specialist's cache
@@ -150,12 +151,14 @@ class DraftSession:
         for b, n in enumerate(counts):
             self._context_inputs[b, self.lengths[b] : self.lengths[b] + n] = inputs[b, :n]
             self.lengths[b] += n
+        self._lengths_tensor = torch.tensor(self.lengths, device=inputs.device)[:, None]
 
     def select_rows(self, index: torch.LongTensor) -> None:
         """Keep the rows `index` `[B']` (e.g. those that go on generating), in that order; between rounds."""
         rows = index.tolist()
         self.batch_size = len(rows)
         self.lengths = [self.lengths[b] for b in rows]
+        self._lengths_tensor = self._lengths_tensor[index]
         self._context_inputs = self._context_inputs[index]
         self.cache.select_rows(index)
         self.context_cached = [None if c is None else [c[b] for b in rows] for c in self.context_cached]
@@ -189,11 +192,7 @@ class DraftSession:
             raise RuntimeError("DraftSession.begin_round must reserve room for the round's nodes")
         rows = self._diagonal[first : first + n]
         self._node_inputs[:, first : first + n] = inputs
-        if self.batch_size == 1:
-            self._node_positions[:, first : first + n] = self.lengths[0] + level - 2
-        else:
-            lengths = torch.tensor(self.lengths, device=inputs.device)
-            self._node_positions[:, first : first + n] = (lengths + level - 2)[:, None]
+        self._node_positions[:, first : first + n] = self._lengths_tensor + (level - 2)
         parent_rows = torch.where(parent_nodes >= 0, parent_nodes, self._node_mask.shape[1] - 1)
         self._node_mask[:, first : first + n] = self._node_mask[self._batch_index, parent_rows]
         self._node_mask[:, rows, rows] = 0
