@@ -22,10 +22,14 @@ def main() -> None:
     parser.add_argument("--lookup-tokens", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--budget", default=None, help="DEPTH/TOP_K/TOTAL instead of the drafter's own")
     args = parser.parse_args()
     torch.set_num_threads(2)
     target, tokenizer = load_default_target(dtype=torch.bfloat16)
     drafter = load_default_drafter("poss2", target).with_generation_config(lookup_num_tokens=args.lookup_tokens)
+    if args.budget:
+        depth, top_k, total = (int(part) for part in args.budget.split("/"))
+        drafter = drafter.with_generation_config(tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total)
     questions = [q for qs in load_prompt_sets(args.prompts, per_category=1).values() for q in qs]
     texts = [chat_prompt(tokenizer, q.turns, []) for q in questions]
     for size in (int(part) for part in args.batch_sizes.split(",")):
@@ -37,6 +41,10 @@ def main() -> None:
             out = target.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False,
                                   assistant_model=drafter, return_dict_in_generate=True)
             wall = time.perf_counter() - start
+            start = time.perf_counter()
+            plain = target.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False)
+            plain_wall = time.perf_counter() - start
+        plain_steps = plain.shape[1] - batch["input_ids"].shape[1]
         rows = out.row_stats or [out.speculative_stats]
         rounds = max(len(row.acceptance_lengths) for row in rows)
         parts = {name: sum(sum(getattr(row, f"{name}_seconds")) for row in rows)
@@ -44,7 +52,8 @@ def main() -> None:
         other = wall - sum(parts.values())
         print(f"batch {size}: {wall:.1f} s, {rounds} rounds, tau {out.speculative_stats.mean_acceptance_length:.2f}; "
               "per round " + ", ".join(f"{name} {seconds / rounds * 1e3:.1f} ms" for name, seconds in parts.items())
-              + f", other {other / rounds * 1e3:.1f} ms")
+              + f", other {other / rounds * 1e3:.1f} ms; plain generate {plain_wall:.1f} s, {plain_steps} steps, "
+              f"{plain_wall / plain_steps * 1e3:.1f} ms per step")
 
 
 if __name__ == "__main__":

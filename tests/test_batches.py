@@ -59,6 +59,18 @@ def test_batch_rows_match_plain_batched_generate_and_each_row_alone(fitted_pairs
     assert any(len(set(accepted)) > 1 for accepted in zip(*rounds)), rounds
 
 
+@pytest.mark.parametrize("max_holes", [0, 3, 10_000])
+def test_cache_holes_left_or_realigned_give_the_same_rows(fitted_pairs, monkeypatch, max_holes):
+    """Rows that accept fewer tokens than the longest path leave holes in the cache; re-aligning them away after
+    every round, now and then, or never must not change a token."""
+    target, drafter = fitted_pairs("mistral")
+    monkeypatch.setattr(batch_decoding, "MAX_HOLES", max_holes)
+    realign, calls = batch_decoding._realign, []
+    monkeypatch.setattr(batch_decoding, "_realign", lambda cache, valid: calls.append(1) or realign(cache, valid))
+    _check_batch(target, drafter.with_generation_config(draft_mode="tree"), _batch_rows(), max_new_tokens=30)
+    assert (len(calls) > 0) == (max_holes < 10_000), calls
+
+
 @pytest.mark.parametrize("lookup_tokens", [0, 6])
 @pytest.mark.parametrize(
     "budget",

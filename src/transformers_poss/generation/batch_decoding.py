@@ -1,13 +1,14 @@
 """Tree verification for a batch of (left-padded) prompts: every row drafts its own tree, one target forward verifies
 them all, every row accepts its own path.
 
-Representation. The target's `DynamicCache` stays rectangular, `[B, H_kv, T, D]`, and *left-padded*: row `b` holds
-its `T - pad[b]` real positions in the last slots, its first `pad[b]` slots are padding. After each round every row
-keeps its context and its accepted path, re-aligned to the right (one gather per layer), so the cache is again
-left-padded with `T` = the longest row. Why: the layout is exactly the one a left-padded prompt starts with (one
-`pad` count per row describes the whole mask; position ids are `T - pad[b]` onwards, as generate's `cumsum - 1`),
-and `T` never exceeds the longest row, so sliding-window layers (Gemma3) see no more slots than a single prompt
-would. Rows that stop (EOS, stopping criteria) leave the batch: their cache rows are dropped in the same gather.
+Representation. The target's `DynamicCache` stays rectangular, `[B, H_kv, T, D]`, with a bool `valid [B, T]` saying
+which slots each row attends to: a left-padded prompt starts with its padding invalid. After each round every row's
+accepted nodes move to the slots right after the context (`T` grows by the longest accepted path `W`, a row that
+accepted fewer leaves the rest as invalid holes), so a round copies only the tree's slots, never the whole cache.
+Positions are each row's count of valid slots, as generate's `cumsum - 1` gives for the padded prompt. When the holes
+grow past `MAX_HOLES` slots beyond the longest row (or at once for targets with sliding-window layers, whose window
+counts slots) one gather per layer re-aligns every row to the right, back to the left-padded layout with `T` = the
+longest row. Rows that stop (EOS, stopping criteria) leave the batch: their cache rows are dropped.
 
 One `DraftSession` drafts every row's tree at once (one specialist forward per depth for the whole batch), fed from
 each row's verified nodes; rows that leave the batch leave it too. A round verifies the trees padded to the largest
@@ -30,8 +31,10 @@ from .drafting import DraftSession, DraftTree, draft_trees, graft_branch, lookup
 from .stats import GenerationStats, PosSGenerateOutput, RoundTrace
 from .tree_decoding import (
     TreeLogits, _accept_greedy, _accept_sampling, _append, _choose, _logits_to_keep, attention_mask_for, compact_cache,
-    keeps_every_tree_row,
+    keep_accepted, keeps_every_tree_row,
 )
+
+MAX_HOLES = 32  # cache slots beyond the longest row before the rows are re-aligned (attention over holes is cheap)
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.LongTensor:
@@ -47,7 +50,7 @@ def left_padding(attention_mask: torch.Tensor) -> torch.LongTensor:
 
 
 class _Row:
-    """One prompt of the batch: its sequence `[1, L_b]` (left padding included) and statistics."""
+    """One prompt of the batch: its sequence `[1, L_b]` (`pad` slots of left padding included) and statistics."""
 
     def __init__(self, input_ids: torch.LongTensor, pad: int, stats: GenerationStats):
         self.input_ids, self.pad = input_ids, pad
@@ -119,10 +122,13 @@ def batch_tree_assisted_decoding(
     session = DraftSession(drafter, batch_size=batch)
     session.commit_rows([features[b, row.pad :] for b, row in enumerate(rows)],
                         [row.input_ids[0, row.pad + 1 :] for row in rows])
+    valid = attention_mask.bool()  # [B', T] cache slots each row attends to
+    max_holes = 0 if _has_sliding_window(model) else MAX_HOLES
     active = _still_running(rows, generation_config.max_length, pads_finished_rows)
     if active and len(active) < batch:  # rows that ended at their first token leave the batch
-        compact_cache(cache, torch.arange(input_ids.shape[1], device=device), _as_index(active, device))
+        compact_cache(cache, rows=_as_index(active, device))
         session.select_rows(_as_index(active, device))
+        valid = valid[_as_index(active, device)]
 
     while active and any(row.finished_length is None for row in rows):
         start = time.perf_counter()
@@ -141,11 +147,10 @@ def batch_tree_assisted_decoding(
         drafted = time.perf_counter()
 
         past = cache.get_seq_length()
-        context_lengths = torch.tensor([past - rows[b].pad for b in active], device=device)
-        tokens, depths, allowed = _padded_trees(trees, past, torch.tensor([rows[b].pad for b in active], device=device))
+        tokens, depths, allowed = _padded_trees(trees, valid)
         out = model(
             input_ids=tokens.to(device),
-            position_ids=(context_lengths[:, None] + depths.to(device)),
+            position_ids=(valid.sum(dim=1, keepdim=True) + depths.to(device)),
             attention_mask=attention_mask_for(model, allowed.to(device)),
             cache=cache,
             use_cache=True,
@@ -177,18 +182,23 @@ def batch_tree_assisted_decoding(
         continuing = _still_running(rows, generation_config.max_length, pads_finished_rows)
         if continuing:
             keep = {b: i for i, b in enumerate(active)}
-            kept_paths = [torch.tensor(paths[keep[b]], device=device) for b in continuing]
-            index = _realigned_slots(past, [rows[b].pad for b in continuing], kept_paths)
-            kept_rows = _as_index([keep[b] for b in continuing], device)
-            compact_cache(cache, index, kept_rows)
-            session.end_round()
+            accepted = [paths[keep[b]] for b in continuing]
             if len(continuing) < len(active):
+                kept_rows = _as_index([keep[b] for b in continuing], device)
+                compact_cache(cache, rows=kept_rows)
                 session.select_rows(kept_rows)
-            for b, path in zip(continuing, kept_paths):
-                rows[b].pad = int(index.shape[1] - (past - rows[b].pad) - path.shape[0])
-            kept = list(zip(continuing, kept_paths))
-            session.commit_rows([features[keep[b]][path.to(features.device)] for b, path in kept],
-                                [rows[b].input_ids[0, -path.shape[0] :] for b, path in kept])
+                valid = valid[kept_rows]
+            width = max(len(path) for path in accepted)
+            keep_accepted(cache, past, torch.tensor([path + [0] * (width - len(path)) for path in accepted],
+                                                    device=device))
+            lengths = torch.tensor([len(path) for path in accepted], device=device)
+            valid = torch.cat((valid, torch.arange(width, device=device)[None] < lengths[:, None]), dim=1)
+            if valid.shape[1] - int(valid.sum(dim=1).max()) > max_holes:
+                valid = _realign(cache, valid)
+            session.end_round()
+            session.commit_rows([features[keep[b]][torch.tensor(path, device=features.device)]
+                                 for b, path in zip(continuing, accepted)],
+                                [rows[b].input_ids[0, -len(path) :] for b, path in zip(continuing, accepted)])
         # Drafting, the verification forward and the bookkeeping are shared: each row is charged an equal part.
         draft_share = (drafted - start) / len(active)
         verify_share = (verified - drafted) / len(active)
@@ -222,32 +232,40 @@ def _as_index(rows: list[int], device) -> torch.LongTensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _padded_trees(trees: list[DraftTree], past: int, pad: torch.LongTensor):
-    """The trees of a round padded to the largest, `n` nodes each.
+def _has_sliding_window(model) -> bool:
+    return "sliding_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or [])
 
-    Returns tokens `[B', n]`, depths `[B', n]` and the bool attention pattern `[B', n, past + n]`: row b's real nodes
-    see its real context slots (`pad[b]` onwards), their ancestors and themselves; padding nodes see themselves only.
+
+def _padded_trees(trees: list[DraftTree], valid: torch.Tensor):
+    """The trees of a round padded to the largest, `n` nodes each, over a cache whose slots `valid [B', T]` says.
+
+    Returns tokens `[B', n]`, depths `[B', n]` and the bool attention pattern `[B', n, T + n]`: row b's real nodes
+    see its valid context slots, their ancestors and themselves; padding nodes see themselves only.
     """
     n = max(len(tree) for tree in trees)
+    past = valid.shape[1]
     tokens = torch.zeros(len(trees), n, dtype=torch.long)
     depths = torch.zeros(len(trees), n, dtype=torch.long)
-    allowed = torch.zeros(len(trees), n, past + n, dtype=torch.bool)
-    allowed[:, :, past:] = torch.eye(n, dtype=torch.bool)
-    context = torch.arange(past)[None, :] >= pad.cpu()[:, None]  # [B', past]
+    visible = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)  # [B', n, n]
+    real = torch.zeros(len(trees), n, dtype=torch.bool)
     for i, tree in enumerate(trees):
         size = len(tree)
         tokens[i, :size], depths[i, :size] = tree.tokens.cpu(), tree.depths.cpu()
-        allowed[i, :size, :past] = context[i]
-        allowed[i, :size, past : past + size] = tree.visible.cpu()
-    return tokens, depths, allowed
+        visible[i, :size, :size] = tree.visible.cpu()
+        real[i, :size] = True
+    context = valid[:, None, :] & real.to(valid.device)[:, :, None]  # [B', n, T]
+    return tokens, depths, torch.cat((context, visible.to(valid.device)), dim=2)
 
 
-def _realigned_slots(past: int, pad: list[int], paths: list[torch.LongTensor]) -> torch.LongTensor:
-    """Cache slots to keep per row `[B', T']`: padding, then the row's context slots, then its accepted tree nodes
-    (slots `past + path`), right-aligned so that `T'` is the longest row (padding slots point at slot 0)."""
-    kept = [torch.cat((torch.arange(p, past, device=path.device), past + path)) for p, path in zip(pad, paths)]
-    width = max(k.shape[0] for k in kept)
-    return torch.stack([torch.cat((k.new_zeros(width - k.shape[0]), k)) for k in kept])
+def _realign(cache, valid: torch.Tensor) -> torch.Tensor:
+    """Move every row's valid slots to the right end, in order, with `T'` = the longest row (one gather per layer);
+    returns the new `valid [B', T']`, the left-padded layout."""
+    lengths = valid.sum(dim=1)
+    width = int(lengths.max())
+    # A stable sort on validity lists each row's invalid slots, then its valid ones in order; keep the last `width`.
+    order = torch.sort(valid.long(), dim=1, stable=True).indices[:, valid.shape[1] - width :]
+    compact_cache(cache, order)
+    return torch.arange(width, device=valid.device)[None] >= (width - lengths)[:, None]
 
 
 def _final_sequences(rows: list[_Row], pad_token_id) -> torch.LongTensor:

@@ -102,7 +102,7 @@ def tree_assisted_decoding(
         stats.lookup_tokens += sum(1 for node in path[1:] if node >= drafted_nodes)
         if not finished:
             path_index = torch.tensor(path, device=device)
-            compact_cache(cache, torch.cat((torch.arange(past, device=device), past + path_index)))
+            keep_accepted(cache, past, path_index[None])
             session.end_round()
             features = drafter.target_features(out.hidden_states)[0]  # [n, nH] what the drafter reads
             session.commit(features[path_index.to(features.device)], input_ids[0, -len(path):])
@@ -287,20 +287,39 @@ def _accept_sampling(processed, tree: DraftTree) -> tuple[list[int], torch.Tenso
         path.append(accepted)
 
 
-def compact_cache(cache, keep: torch.LongTensor, rows: torch.LongTensor | None = None) -> None:
-    """Keep only cache slots `keep` (dim -2) in every layer of a `DynamicCache`: `[T']` for every row, or `[B', T']`
-    per row of a batch; with `rows` `[B']`, only those batch rows (dim 0), in that order."""
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        index = keep.to(layer.keys.device)
+def _initialized_layers(cache):
+    return [layer for layer in cache.layers
+            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0]
+
+
+def _set_states(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    layer.keys, layer.values = keys, values
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = keys.shape[-2]
+
+
+def keep_accepted(cache, past: int, paths: torch.LongTensor) -> None:
+    """After a verification forward: keep each row's first `past` slots and move its accepted tree nodes (slots
+    `past + paths[b]`) to slots `past, past + 1, ...`; the cache ends at `past + W`. Only the tree's slots are
+    copied. `paths` `[B, W]`: node indices per row, a shorter path padded with any node (the caller masks those
+    slots)."""
+    width = paths.shape[1]
+    for layer in _initialized_layers(cache):
+        keys, values = layer.keys, layer.values
+        index = paths.to(keys.device)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+        keys[:, :, past : past + width] = keys[:, :, past:].gather(-2, index)
+        values[:, :, past : past + width] = values[:, :, past:].gather(-2, index)
+        _set_states(layer, keys[:, :, : past + width], values[:, :, : past + width])
+
+
+def compact_cache(cache, keep: torch.LongTensor | None = None, rows: torch.LongTensor | None = None) -> None:
+    """Keep only cache slots `keep` (dim -2) in every layer of a `DynamicCache`: `[B', T']` per row of a batch (None:
+    every slot); with `rows` `[B']`, only those batch rows (dim 0), in that order."""
+    for layer in _initialized_layers(cache):
         keys, values = layer.keys, layer.values
         if rows is not None:
             keys, values = keys.index_select(0, rows.to(keys.device)), values.index_select(0, rows.to(keys.device))
-        if index.dim() == 1:
-            layer.keys, layer.values = keys.index_select(-2, index), values.index_select(-2, index)
-        else:
-            index = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-            layer.keys, layer.values = keys.gather(-2, index), values.gather(-2, index)
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = layer.keys.shape[-2]
+        if keep is not None:
+            index = keep.to(keys.device)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            keys, values = keys.gather(-2, index), values.gather(-2, index)
+        _set_states(layer, keys, values)
