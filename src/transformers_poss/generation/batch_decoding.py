@@ -189,8 +189,7 @@ def batch_tree_assisted_decoding(
                 session.select_rows(kept_rows)
                 valid = valid[kept_rows]
             width = max(len(path) for path in accepted)
-            keep_accepted(cache, past, torch.tensor([path + [0] * (width - len(path)) for path in accepted],
-                                                    device=device))
+            keep_accepted(cache, past, accepted)
             lengths = torch.tensor([len(path) for path in accepted], device=device)
             valid = torch.cat((valid, torch.arange(width, device=device)[None] < lengths[:, None]), dim=1)
             if valid.shape[1] - int(valid.sum(dim=1).max()) > max_holes:

@@ -101,8 +101,8 @@ def tree_assisted_decoding(
         stats.new_tokens += emitted
         stats.lookup_tokens += sum(1 for node in path[1:] if node >= drafted_nodes)
         if not finished:
+            keep_accepted(cache, past, [path])
             path_index = torch.tensor(path, device=device)
-            keep_accepted(cache, past, path_index[None])
             session.end_round()
             features = drafter.target_features(out.hidden_states)[0]  # [n, nH] what the drafter reads
             session.commit(features[path_index.to(features.device)], input_ids[0, -len(path):])
@@ -298,17 +298,23 @@ def _set_states(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         layer.cumulative_length = keys.shape[-2]
 
 
-def keep_accepted(cache, past: int, paths: torch.LongTensor) -> None:
+def keep_accepted(cache, past: int, paths: list[list[int]]) -> None:
     """After a verification forward: keep each row's first `past` slots and move its accepted tree nodes (slots
-    `past + paths[b]`) to slots `past, past + 1, ...`; the cache ends at `past + W`. Only the tree's slots are
-    copied. `paths` `[B, W]`: node indices per row, a shorter path padded with any node (the caller masks those
-    slots)."""
-    width = paths.shape[1]
+    `past + path`) to slots `past, past + 1, ...`; the cache ends at `past + W` (`W` the longest path). Only the tree
+    slots that move are copied: none when every path is `0, 1, 2, ...` (a root-only or first-child path). `paths`
+    holds each row's node indices from the root (0); a shorter path's slots after its end are left as they are (the
+    caller masks them)."""
+    width = max(len(path) for path in paths)
+    # Paths ascend (parents precede children), so slots before the first out-of-place node stay where they are.
+    moved = min(next((i for i, node in enumerate(path) if node != i), len(path)) for path in paths)
+    if moved < width:
+        index = torch.tensor([path[moved:] + list(range(len(path), width)) for path in paths])
     for layer in _initialized_layers(cache):
         keys, values = layer.keys, layer.values
-        index = paths.to(keys.device)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-        keys[:, :, past : past + width] = keys[:, :, past:].gather(-2, index)
-        values[:, :, past : past + width] = values[:, :, past:].gather(-2, index)
+        if moved < width:
+            gather = index.to(keys.device)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            keys[:, :, past + moved : past + width] = keys[:, :, past:].gather(-2, gather)
+            values[:, :, past + moved : past + width] = values[:, :, past:].gather(-2, gather)
         _set_states(layer, keys[:, :, : past + width], values[:, :, : past + width])
 
 
