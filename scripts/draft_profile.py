@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--deep-vocab", type=int, default=None, help="deep_draft_vocab (default: the whole vocabulary)")
     parser.add_argument("--cold", action="store_true",
                         help="stream 300 MB through the cache before each round, as a target forward does")
+    parser.add_argument("--int8", action="store_true", help="int8_draft_weights: 8-bit copies of the draft weights")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
@@ -52,6 +53,8 @@ def main() -> None:
         session.end_round()
         return time.perf_counter() - start
 
+    int8 = drafter.int8_weights(args.int8)
+    int8.__enter__()  # for the rest of the script
     for _ in range(5):
         one_round()
     times = []

@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", action="append", type=_budget,
                         help="DEPTH/TOP_K/TOTAL[/DEEP_VOCAB] (repeatable; default 2/4/4 4/4/8 6/4/12 6/10/60; "
                              "DEEP_VOCAB sets deep_draft_vocab)")
+    parser.add_argument("--int8-draft-weights", action="store_true", help="draft with 8-bit weight copies")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
     rows = []
     for depth, top_k, total, deep_vocab in args.budget or BUDGETS:
         view = drafter.with_generation_config(tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total,
-                                              lookup_num_tokens=0, draft_mode="tree", deep_draft_vocab=deep_vocab)
+                                              lookup_num_tokens=0, draft_mode="tree", deep_draft_vocab=deep_vocab,
+                                              int8_draft_weights=args.int8_draft_weights)
         generate(prompts[0][:, :16], view)  # warm-up
         draft, verify, bookkeeping, lengths, tokens, seconds = [], [], [], [], 0, 0.0
         for ids in prompts:

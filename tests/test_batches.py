@@ -55,7 +55,7 @@ def test_batch_rows_match_plain_batched_generate_and_each_row_alone(fitted_pairs
     out = _check_batch(target, drafter, _batch_rows(), max_new_tokens=30)
     rounds = [stats.acceptance_lengths for stats in out.row_stats]
     assert all(stats.new_tokens == 30 for stats in out.row_stats)
-    # Rows accepted different numbers of tokens in the same round: the cache was re-aligned.
+    # Rows accepted different numbers of tokens in the same round: the cache held holes.
     assert any(len(set(accepted)) > 1 for accepted in zip(*rounds)), rounds
 
 

@@ -375,3 +375,76 @@ def test_deep_draft_vocab_is_checked_before_any_work(fitted_pairs):
     for bad in (0, -3, 2.5, "8"):
         with pytest.raises(ValueError, match="deep_draft_vocab"):
             drafter.with_generation_config(deep_draft_vocab=bad)
+
+
+def test_int8_draft_linear_products_and_fallbacks():
+    """An 8-bit `DraftLinear` product is within quantization error of the exact one, reads only the first rows when
+    asked, follows weight changes, and is exact (the weight itself) with gradients, on more than 4 rows, or when
+    off; the module's state is untouched."""
+    from transformers_poss.modeling_poss import DraftLinear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48)
+    layer.__class__ = DraftLinear
+    state = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
+    x, many = torch.randn(1, 3, 64), torch.randn(2, 5, 64)
+    exact = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.int8 = True
+    with torch.no_grad():
+        approximate = layer(x)
+        assert not torch.equal(approximate, exact)
+        assert (approximate - exact).abs().max() <= 0.02 * exact.abs().max()
+        torch.testing.assert_close(layer(x, rows=20), approximate[..., :20])
+        torch.testing.assert_close(layer(many), torch.nn.functional.linear(many, layer.weight, layer.bias))
+        layer.weight.mul_(2)
+        torch.testing.assert_close(layer(x) - layer.bias, 2 * (approximate - layer.bias), rtol=0.02, atol=0.02)
+        layer.weight.div_(2)
+    torch.testing.assert_close(layer(x), exact)  # with gradients: the weight itself
+    layer.int8 = False
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), exact)
+    assert all(torch.equal(state[name], tensor) for name, tensor in layer.state_dict().items())
+
+
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_identity_with_int8_draft_weights(fitted_pairs, monkeypatch, family, mode):
+    """Drafting on 8-bit weight copies (the layers and the mapped draft-head rows) keeps the output identical to
+    plain generate, still accepts drafts, and leaves the drafter as it was after the call."""
+    from transformers_poss import modeling_poss
+
+    target, drafter = fitted_pairs(family)
+    products = []
+    product = modeling_poss.int8_product
+    monkeypatch.setattr(modeling_poss, "int8_product", lambda *args: products.append(1) or product(*args))
+    view = drafter.with_generation_config(draft_mode=mode, int8_draft_weights=True)
+    accepted = []
+    for prompt in prompts(count=3):
+        reference, speculative, stats = _generate_both(target, view, prompt, max_new_tokens=30)
+        assert torch.equal(reference, speculative), (family, mode)
+        accepted += stats.acceptance_lengths
+    assert products, "no 8-bit product ran"
+    assert sum(accepted) / len(accepted) >= 0.5, accepted
+    assert not any(getattr(module, "int8", False) for module in drafter.modules()) and not drafter._int8_head
+
+
+def test_int8_draft_weights_on_mapped_head_rows():
+    """With a draft head that maps most rows from the target's `lm_head`, 8-bit logits stay within quantization
+    error of the exact ones, for the whole draft vocabulary and for its first part."""
+    from transformers_poss import PosSDrafter
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=16).bind_target(target)
+    drafter.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
+    torch.nn.init.normal_(drafter.draft_head_map.weight)
+    features = torch.randn(3, target.config.hidden_size)
+    with torch.no_grad():
+        exact = drafter.logits(features)
+        with drafter.int8_weights():
+            for vocab in (None, 10, 40):
+                approximate = drafter.logits(features, vocab)
+                assert approximate.shape == exact[:, :vocab].shape
+                assert (approximate - exact[:, :vocab]).abs().max() <= 0.03 * exact.abs().max()
+                assert not torch.equal(approximate, exact[:, :vocab])
+        torch.testing.assert_close(drafter.logits(features), exact)

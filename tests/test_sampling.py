@@ -58,14 +58,16 @@ def setup():
     return target, {None: drafter, "own head": with_head}, prompt
 
 
-@pytest.mark.parametrize("mode,lookup_tokens,deep_vocab", [("tree", 0, None), ("chain", 0, None), ("tree", 3, None),
-                                                            ("tree", 0, 5), ("chain", 0, 5)])
-def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_tokens, deep_vocab):
+@pytest.mark.parametrize("mode,lookup_tokens,deep_vocab,int8", [
+    ("tree", 0, None, False), ("chain", 0, None, False), ("tree", 3, None, False), ("tree", 0, 5, False),
+    ("chain", 0, 5, False), ("chain", 0, None, True)])
+def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_tokens, deep_vocab, int8):
     target, drafters, prompt = setup
     temperature = 0.7
     drafter = copy.deepcopy(drafters["own head" if deep_vocab else None])
     drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = mode, lookup_tokens
     drafter.generation_config.deep_draft_vocab = deep_vocab  # chain mode: q is zero past it at levels 2 and later
+    drafter.generation_config.int8_draft_weights = int8  # chain mode: q from the 8-bit products that drew the draft
     if lookup_tokens:  # a small drafted tree and a repetitive prompt, so that grafted nodes get accepted
         drafter.generation_config.tree_total_tokens, prompt = 3, torch.cat((prompt, prompt), dim=1)
     marginals = _exact_marginals(target, prompt, temperature)

@@ -346,6 +346,10 @@ class PosSGenerationConfig(GenerationConfig):
             rows for the first `config.draft_head_rows` tokens skips the rest of its head by this number). Position 1
             always scores the whole draft vocabulary. Each later depth then streams fewer head weights, at some cost
             in acceptance; `None` (default) scores the whole draft vocabulary everywhere.
+        int8_draft_weights (`bool`): on the CPU, draft with 8-bit copies of the drafter's weights (quantized per
+            output row when first used; the weights themselves stay as they are) wherever a product has at most 4
+            input rows, as a draft depth's frontier does: drafting streams half the bytes, for a little acceptance.
+            Verification keeps decoding lossless. Other devices and larger products use the weights as they are.
         record_round_traces (`bool`): tree mode: keep every round's scored candidates in the output's
             `speculative_stats.round_traces` (what `poss tune` replays); off by default.
         kwargs: other `GenerationConfig` fields (unused by the drafter).
@@ -353,7 +357,8 @@ class PosSGenerationConfig(GenerationConfig):
 
     POSS_DEFAULTS = {
         "draft_mode": "tree", "tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60,
-        "lookup_num_tokens": 0, "lookup_ngram_size": 3, "deep_draft_vocab": None, "record_round_traces": False,
+        "lookup_num_tokens": 0, "lookup_ngram_size": 3, "deep_draft_vocab": None,
+        "int8_draft_weights": False, "record_round_traces": False,
     }
 
     def __init__(self, **kwargs):
@@ -377,10 +382,9 @@ class PosSGenerationConfig(GenerationConfig):
             _check_int("PosSGenerationConfig", "deep_draft_vocab", self.deep_draft_vocab, 1)
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"PosSGenerationConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
-        if not isinstance(self.record_round_traces, bool):
-            raise ValueError(
-                f"PosSGenerationConfig.record_round_traces must be a bool, got {self.record_round_traces!r}"
-            )
+        for name in ("int8_draft_weights", "record_round_traces"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PosSGenerationConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def updated(self, **settings) -> "PosSGenerationConfig":
         """A validated copy with `settings` changed; unknown names raise `ValueError`."""

@@ -12,6 +12,7 @@ final norm and draft head; see `PosSConfig`): the same methods, with layer input
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
@@ -63,6 +64,62 @@ def causal_allowed(query_len: int, past_len: int, device) -> torch.Tensor:
     keys = torch.arange(past_len + query_len, device=device)
     queries = torch.arange(query_len, device=device) + past_len
     return keys[None, :] <= queries[:, None]
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An 8-bit copy of a weight `[out, in]`: int8 values `[out, in]` and one scale per row `[out]` (in the weight's
+    dtype), `weight ~= values * scales[:, None]` (symmetric, the row's largest magnitude maps to 127)."""
+    full = weight.detach().float()
+    scales = full.abs().amax(dim=1).clamp(min=1e-12) / 127
+    values = torch.round(full / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return values, scales.to(weight.dtype)
+
+
+def int8_product(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`x @ (values * scales[:, None]).T`, `[..., in] -> [..., out]` in `scales`' dtype (CPU; `in` a multiple of 16)."""
+    flat = x.reshape(-1, x.shape[-1]).to(scales.dtype).contiguous()
+    return torch._weight_int8pack_mm(flat, values, scales).reshape(*x.shape[:-1], values.shape[0])
+
+
+INT8_MAX_ROWS = 4  # above this many input rows the 8-bit kernel is slower than the 16-bit product on this CPU
+
+
+def runs_int8(x: torch.Tensor, in_features: int) -> bool:
+    """Whether `int8_product` should take inputs `x [..., in_features]`: on the CPU, no gradient, `in_features` a
+    multiple of 16 (the kernel's 16-bit path reads the weight in blocks of 16), and at most `INT8_MAX_ROWS` rows (a
+    draft depth's frontier; the kernel does not block larger products as a GEMM does)."""
+    return (x.device.type == "cpu" and in_features % 16 == 0 and x.numel() <= INT8_MAX_ROWS * in_features
+            and not torch.is_grad_enabled())
+
+
+class DraftLinear(nn.Linear):
+    """The drafter's `nn.Linear`. While `int8` is set (`PosSDrafter.int8_weights`) it multiplies with an 8-bit copy of
+    its weight where `runs_int8` allows, made on first use and again whenever the weight changes; the weight itself,
+    training and the saved state are untouched."""
+
+    int8 = False
+
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """`[..., in] -> [..., out]`, or only the first `rows` outputs (without reading the other weight rows)."""
+        if not (self.int8 and runs_int8(x, self.in_features)):
+            weight = self.weight if rows is None else self.weight[:rows]
+            bias = self.bias if self.bias is None or rows is None else self.bias[:rows]
+            return nn.functional.linear(x, weight, bias)
+        values, scales = self.int8_copy()
+        if rows is not None:
+            values, scales = values[:rows], scales[:rows]
+        out = int8_product(x, values, scales)
+        if self.bias is not None:
+            out = out + (self.bias if rows is None else self.bias[:rows])
+        return out
+
+    def int8_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pack_int8(self.weight)`, cached while the weight is unchanged."""
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
+        cached = self.__dict__.get("_int8_copy")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_int8_copy"] = (key, *pack_int8(self.weight))
+        return cached[1], cached[2]
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -221,6 +278,10 @@ class PosSDrafter(PosSPreTrainedModel):
         self.generation_config = PosSGenerationConfig()
         self.training_record: dict = {}
         self.tuning_record: dict = {}
+        for module in self.modules():  # the same parameters and state; only `forward` differs (`DraftLinear`)
+            if type(module) is nn.Linear:
+                module.__class__ = DraftLinear
+        self._int8_head = False  # the mapped draft-head rows on 8 bits too (`int8_weights`)
         self.post_init()
 
     # ---- construction -----------------------------------------------------------------------------------------
@@ -482,21 +543,23 @@ class PosSDrafter(PosSPreTrainedModel):
         own_rows = self.config.own_draft_head_rows
         if self.draft_head_map is not None and (vocab is None or vocab > own_rows):
             mapped = self.draft_head_map(features)  # [..., H + 1]
-            rows = self.mapped_head_rows()  # [Vd - R, H]
-            if vocab is not None:
-                rows = rows[: vocab - own_rows]
-            mapped_logits = torch.matmul(mapped[..., :-1], rows.T) + mapped[..., -1:]
-            return torch.cat((self.draft_lm_head(features), mapped_logits), dim=-1)
+            count = None if vocab is None else vocab - own_rows
+            if self._int8_head and runs_int8(mapped, mapped.shape[-1] - 1):
+                values, scales = self.mapped_head_rows(int8=True)
+                mapped_logits = int8_product(mapped[..., :-1], values[:count], scales[:count])
+            else:
+                rows = self.mapped_head_rows()[:count]  # [Vd - R, H] or the first `count`
+                mapped_logits = torch.matmul(mapped[..., :-1], rows.T)
+            return torch.cat((self.draft_lm_head(features), mapped_logits + mapped[..., -1:]), dim=-1)
         if self.draft_lm_head is not None:
-            if vocab is not None and vocab < own_rows:
-                return nn.functional.linear(features, self.draft_lm_head.weight[:vocab])
-            return self.draft_lm_head(features)
+            return self.draft_lm_head(features, rows=vocab if vocab is not None and vocab < own_rows else None)
         self._require_bound()
         return output_logits(self._bound["target"], features).to(features.device)
 
-    def mapped_head_rows(self) -> torch.Tensor:
+    def mapped_head_rows(self, int8: bool = False):
         """The target's `lm_head` rows `[Vd - R, H]` of the draft tokens after the drafter's own `R` rows, on the
-        drafter's device and dtype (gathered once per target weight and draft vocabulary, then reused)."""
+        drafter's device and dtype (gathered once per target weight and draft vocabulary, then reused); with `int8`,
+        their `pack_int8` copy (values `[Vd - R, H]`, scales `[Vd - R]`)."""
         self._require_bound()
         weight = self._bound["lm_head"].weight
         ids = self.draft_to_target[self.config.own_draft_head_rows:]
@@ -505,8 +568,29 @@ class PosSDrafter(PosSPreTrainedModel):
         cached = self._bound.get("mapped_rows")
         if cached is None or cached[0] != key:
             rows = weight.detach()[ids.to(weight.device)].to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
-            cached = self._bound["mapped_rows"] = (key, rows)
-        return cached[1]
+            cached = self._bound["mapped_rows"] = (key, rows, None)
+        if not int8:
+            return cached[1]
+        if cached[2] is None:
+            cached = self._bound["mapped_rows"] = (key, cached[1], pack_int8(cached[1]))
+        return cached[2]
+
+    @contextlib.contextmanager
+    def int8_weights(self, enabled: bool = True):
+        """Within the block, inference on the CPU multiplies with 8-bit copies of the drafter's weights (its linear
+        layers, `DraftLinear`, and the mapped draft-head rows); what was set before is restored after it. The
+        generation hook enters it for `generation_config.int8_draft_weights`."""
+        layers = [module for module in self.modules() if isinstance(module, DraftLinear)]
+        previous = [layer.int8 for layer in layers], self._int8_head
+        for layer in layers:
+            layer.int8 = enabled
+        self._int8_head = enabled
+        try:
+            yield self
+        finally:
+            for layer, state in zip(layers, previous[0]):
+                layer.int8 = state
+            self._int8_head = previous[1]
 
     def to_target_ids(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
         """Map indices into `logits(...)`'s last dimension to target token ids."""

@@ -141,7 +141,13 @@ def _poss_validate_generation_mode(self, generation_mode, generation_config, gen
 
 def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
     """Check the inputs (`input_ids` is `[B, prompt_len]`), bind the drafter, run the chain, tree or batched tree loop
-    (a batch, or a padded prompt, in tree mode)."""
+    (a batch, or a padded prompt, in tree mode), on 8-bit draft weights where the drafter's settings say so."""
+    drafter = kwargs["assistant_model"]
+    with drafter.int8_weights(drafter.generation_config.int8_draft_weights):
+        return _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+
+
+def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
     drafter = kwargs.get("assistant_model")
     attention_mask = kwargs.get("attention_mask")
     batched = input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))

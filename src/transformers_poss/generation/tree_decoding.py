@@ -309,10 +309,14 @@ def keep_accepted(cache, past: int, paths: list[list[int]]) -> None:
     moved = min(next((i for i, node in enumerate(path) if node != i), len(path)) for path in paths)
     if moved < width:
         index = torch.tensor([path[moved:] + list(range(len(path), width)) for path in paths])
+        gathers = {}  # one expanded index per layer shape and device, shared by the layers that have it
     for layer in _initialized_layers(cache):
         keys, values = layer.keys, layer.values
         if moved < width:
-            gather = index.to(keys.device)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            shape = (keys.shape[1], keys.shape[-1], keys.device)
+            if shape not in gathers:
+                gathers[shape] = index.to(keys.device)[:, None, :, None].expand(-1, shape[0], -1, shape[1])
+            gather = gathers[shape]
             keys[:, :, past + moved : past + width] = keys[:, :, past:].gather(-2, gather)
             values[:, :, past + moved : past + width] = values[:, :, past:].gather(-2, gather)
         _set_states(layer, keys[:, :, : past + width], values[:, :, : past + width])
