@@ -258,7 +258,7 @@ def test_old_single_file_layout_loads_converted(tmp_path):
     loaded = PosSDrafter.from_pretrained(tmp_path)
     assert loaded.generation_config.budget == {
         "draft_mode": "chain", "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5, "lookup_num_tokens": 10,
-        "lookup_ngram_size": 3, "deep_draft_vocab": None, "record_round_traces": False,
+        "lookup_ngram_size": 3, "deep_draft_vocab": None, "int8_draft_weights": False, "record_round_traces": False,
     }
     assert loaded.training_record == {"steps": 9} and loaded.tuning_record["chosen"] == {"tree_depth": 3}
     assert not hasattr(loaded.config, "tree_depth") and not hasattr(loaded.config, "training_record")
