@@ -168,7 +168,8 @@ def _full_tree_tokens(depth: int, top_k: int) -> int:
 @torch.no_grad()
 def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths, top_ks,
                           repeats: int = 5) -> dict[tuple[int, int], float]:
-    """`{(depth, top_k): seconds}` of `draft_tree` on a drafter session committed over `context_ids` `[1, L]`."""
+    """`{(depth, top_k): seconds}` of `draft_tree` on a drafter session committed over `context_ids` `[1, L]`, with
+    the drafter's own `deep_draft_vocab` and `int8_draft_weights`, as generate drafts."""
     device = target.device
     context_ids = context_ids.to(device)
     out = target(input_ids=context_ids[:, :-1], output_hidden_states=drafter.config.input_feature_layers,
@@ -178,13 +179,14 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
     root = context_ids[0, -1]
     deep_vocab = drafter.generation_config.deep_draft_vocab
     results = {}
-    for k in top_ks:
-        for d in depths:
-            def draft():
-                draft_tree(session, root, d, k, _full_tree_tokens(d, k), deep_vocab)
-                session.end_round()
+    with drafter.int8_weights(drafter.generation_config.int8_draft_weights):
+        for k in top_ks:
+            for d in depths:
+                def draft():
+                    draft_tree(session, root, d, k, _full_tree_tokens(d, k), deep_vocab)
+                    session.end_round()
 
-            results[(d, k)] = _median_seconds(draft, repeats)
+                results[(d, k)] = _median_seconds(draft, repeats)
     return results
 
 
