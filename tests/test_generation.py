@@ -428,17 +428,21 @@ def test_greedy_identity_with_int8_draft_weights(fitted_pairs, monkeypatch, fami
     assert not any(getattr(module, "int8", False) for module in drafter.modules()) and not drafter._int8_head
 
 
-def test_int8_draft_weights_on_mapped_head_rows():
-    """With a draft head that maps most rows from the target's `lm_head`, 8-bit logits stay within quantization
-    error of the exact ones, for the whole draft vocabulary and for its first part."""
-    from transformers_poss import PosSDrafter
+def test_int8_draft_weights_on_mapped_head_rows(monkeypatch):
+    """With a draft head that maps most rows from the target's `lm_head`, 8-bit logits of a 4-row frontier stay within
+    quantization error of the exact ones, for the whole draft vocabulary and for its first part, and the mapped rows
+    themselves were multiplied on 8 bits."""
+    from transformers_poss import PosSDrafter, modeling_poss
 
     target = tiny_target("llama")
     torch.manual_seed(0)
     drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=16).bind_target(target)
     drafter.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
     torch.nn.init.normal_(drafter.draft_head_map.weight)
-    features = torch.randn(3, target.config.hidden_size)
+    features = torch.randn(4, target.config.hidden_size)  # a top-k 4 frontier
+    products = []
+    product = modeling_poss.int8_product
+    monkeypatch.setattr(modeling_poss, "int8_product", lambda x, values, scales: products.append(values.shape[0]) or product(x, values, scales))
     with torch.no_grad():
         exact = drafter.logits(features)
         with drafter.int8_weights():
@@ -448,3 +452,4 @@ def test_int8_draft_weights_on_mapped_head_rows():
                 assert (approximate - exact[:, :vocab]).abs().max() <= 0.03 * exact.abs().max()
                 assert not torch.equal(approximate, exact[:, :vocab])
         torch.testing.assert_close(drafter.logits(features), exact)
+    assert 48 in products and 24 in products  # the 48 mapped rows, and the first 24 of them for vocab 40

@@ -544,13 +544,14 @@ class PosSDrafter(PosSPreTrainedModel):
         if self.draft_head_map is not None and (vocab is None or vocab > own_rows):
             mapped = self.draft_head_map(features)  # [..., H + 1]
             count = None if vocab is None else vocab - own_rows
-            if self._int8_head and runs_int8(mapped, mapped.shape[-1] - 1):
+            mapped_features, mapped_bias = mapped[..., :-1], mapped[..., -1:]
+            if self._int8_head and runs_int8(mapped_features, mapped_features.shape[-1]):
                 values, scales = self.mapped_head_rows(int8=True)
-                mapped_logits = int8_product(mapped[..., :-1], values[:count], scales[:count])
+                mapped_logits = int8_product(mapped_features, values[:count], scales[:count])
             else:
                 rows = self.mapped_head_rows()[:count]  # [Vd - R, H] or the first `count`
-                mapped_logits = torch.matmul(mapped[..., :-1], rows.T)
-            return torch.cat((self.draft_lm_head(features), mapped_logits + mapped[..., -1:]), dim=-1)
+                mapped_logits = torch.matmul(mapped_features, rows.T)
+            return torch.cat((self.draft_lm_head(features), mapped_logits + mapped_bias), dim=-1)
         if self.draft_lm_head is not None:
             return self.draft_lm_head(features, rows=vocab if vocab is not None and vocab < own_rows else None)
         self._require_bound()
