@@ -31,7 +31,7 @@ from .drafting import DraftSession, DraftTree, draft_trees, graft_branch, lookup
 from .stats import GenerationStats, PosSGenerateOutput, RoundTrace
 from .tree_decoding import (
     TreeLogits, _accept_greedy, _accept_sampling, _append, _choose, _logits_to_keep, attention_mask_for, compact_cache,
-    keep_accepted, keeps_every_tree_row,
+    has_sliding_window, keep_accepted, keeps_every_tree_row,
 )
 
 MAX_HOLES = 32  # cache slots beyond the longest row before the rows are re-aligned (attention over holes is cheap)
@@ -123,7 +123,7 @@ def batch_tree_assisted_decoding(
     session.commit_rows([features[b, row.pad :] for b, row in enumerate(rows)],
                         [row.input_ids[0, row.pad + 1 :] for row in rows])
     valid = attention_mask.bool()  # [B', T] cache slots each row attends to
-    max_holes = 0 if _has_sliding_window(model) else MAX_HOLES
+    max_holes = 0 if has_sliding_window(model) else MAX_HOLES
     active = _still_running(rows, generation_config.max_length, pads_finished_rows)
     if active and len(active) < batch:  # rows that ended at their first token leave the batch
         compact_cache(cache, rows=_as_index(active, device))
@@ -229,10 +229,6 @@ def _still_running(rows: list[_Row], max_length: int, pads_finished_rows: bool) 
 
 def _as_index(rows: list[int], device) -> torch.LongTensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _has_sliding_window(model) -> bool:
-    return "sliding_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or [])
 
 
 def _padded_trees(trees: list[DraftTree], valid: torch.Tensor):

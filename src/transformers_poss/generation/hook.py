@@ -27,7 +27,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from .batch_decoding import batch_tree_assisted_decoding, left_padding
 from .candidate_generator import PosSCandidateGenerator
 from .stats import PosSGenerateOutput
-from .tree_decoding import tree_assisted_decoding
+from .tree_decoding import has_sliding_window, tree_assisted_decoding
 
 MIN_TRANSFORMERS = "5.24.0"
 MAX_TRANSFORMERS_EXCLUSIVE = "6.0.0"
@@ -121,9 +121,8 @@ def check_sliding_window(target, drafter, prompt_length: int, max_length: int) -
     settings = drafter.generation_config
     if settings.draft_mode != "tree":
         return
-    text_config = target.config.get_text_config()
-    window = getattr(text_config, "sliding_window", None)
-    if "sliding_attention" in (getattr(text_config, "layer_types", None) or []) and window is not None:
+    window = getattr(target.config.get_text_config(), "sliding_window", None)
+    if has_sliding_window(target) and window is not None:
         needed = max(max_length, prompt_length) + settings.tree_total_tokens + settings.lookup_num_tokens
         if needed > window:
             raise ValueError(

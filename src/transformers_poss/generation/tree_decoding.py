@@ -287,6 +287,11 @@ def _accept_sampling(processed, tree: DraftTree) -> tuple[list[int], torch.Tenso
         path.append(accepted)
 
 
+def has_sliding_window(model) -> bool:
+    """Whether the model has sliding-window attention layers (Gemma3's `layer_types`)."""
+    return "sliding_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or [])
+
+
 def _initialized_layers(cache):
     return [layer for layer in cache.layers
             if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel() > 0]
