@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from tiny_models import FAMILIES, fitted_drafter, prompts, tiny_target
@@ -404,6 +405,52 @@ def test_int8_draft_linear_products_and_fallbacks():
     with torch.no_grad():
         torch.testing.assert_close(layer(x), exact)
     assert all(torch.equal(state[name], tensor) for name, tensor in layer.state_dict().items())
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "eagle3"])
+def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, family, implementation):
+    """Inference runs specialists through `lean_attention` instead of the transformers attention modules: the same
+    features with and without a cache (layer inputs, keys and values perturbed away from their initial values, Qwen2's
+    biases and Qwen3's q/k norms included), and the same draft trees."""
+    from transformers_poss import PosSDrafter, modeling_poss
+    from transformers_poss.generation.drafting import DraftSession, draft_tree
+
+    extra = {"num_hidden_layers": 8} if family == "eagle3" else {}
+    target = tiny_target("llama" if family == "eagle3" else family, attn_implementation=implementation, **extra)
+    extra = {"drafter_type": "eagle3"} if family == "eagle3" else {}
+    drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2, **extra).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    inputs = torch.randn(2, 9, drafter.layer_input_size, generator=generator)
+    positions = torch.arange(3, 12).expand(2, -1)
+    context = torch.randint(0, 96, (1, 20), generator=generator)
+
+    def outputs():
+        with torch.no_grad():
+            cache = DynamicCache()
+            first = drafter.run_specialist(1, inputs[:, :6], positions[:, :6], cache=cache)
+            rest = drafter.run_specialist(1, inputs[:, 6:], positions[:, 6:], cache=cache)
+            session = DraftSession(drafter)
+            width = drafter.config.hidden_size * len(drafter.config.input_feature_layers)
+            features = torch.randn(19, width, generator=torch.Generator().manual_seed(1))
+            session.commit(features, context[0, 1:])
+            tree = draft_tree(session, context[0, -1], depth=4, top_k=3, total_tokens=10)
+        return drafter.run_specialist(0, inputs, positions), torch.cat((first, rest), dim=1), tree
+
+    calls = []
+    lean = modeling_poss.lean_attention
+    monkeypatch.setattr(modeling_poss, "lean_attention", lambda *args: calls.append(1) or lean(*args))
+    fast = outputs()
+    assert len(calls) >= 6
+    monkeypatch.setattr(modeling_poss, "runs_lean", lambda attention: False)
+    reference = outputs()
+    torch.testing.assert_close(fast[0], reference[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast[1], reference[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast[2].tokens, reference[2].tokens) and torch.equal(fast[2].parents, reference[2].parents)
+    torch.testing.assert_close(fast[2].candidates.scores, reference[2].candidates.scores, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])

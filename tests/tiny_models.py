@@ -7,7 +7,7 @@ import os
 import torch
 from transformers import (
     Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-    Qwen2Config, Qwen2ForCausalLM,
+    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
 from transformers_poss import PosSDrafter
@@ -33,6 +33,8 @@ def tiny_target(family: str = "llama", vocab_size: int = 96, seed: int = 0, attn
         config, cls = MistralConfig(**kwargs, sliding_window=None), MistralForCausalLM
     elif family == "qwen2":
         config, cls = Qwen2Config(**kwargs), Qwen2ForCausalLM
+    elif family == "qwen3":
+        config, cls = Qwen3Config(**kwargs, head_dim=16), Qwen3ForCausalLM
     elif family == "gemma3":
         kwargs.update(num_hidden_layers=3, head_dim=16, sliding_window=256,
                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])

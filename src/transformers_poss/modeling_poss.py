@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput
 
 from .configuration_poss import FAMILY_CLASSES, LEGACY_RECORD_KEYS, PosSConfig, PosSGenerationConfig
@@ -122,6 +122,38 @@ class DraftLinear(nn.Linear):
         return cached[1], cached[2]
 
 
+# Families whose attention modules compute exactly `lean_attention` (projections with optional bias, Qwen3's per-head
+# q/k norms, rotary embedding over the whole head, scaled dot-product attention with an additive mask).
+LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LEAN_IMPLEMENTATIONS = ("eager", "sdpa")  # the attention implementations `lean_attention` stands in for
+
+
+def runs_lean(attention: nn.Module) -> bool:
+    """Whether inference may take `lean_attention` for this attention module (no gradient, an eager or SDPA one)."""
+    return not torch.is_grad_enabled() and attention.config._attn_implementation in LEAN_IMPLEMENTATIONS
+
+
+def lean_attention(attention: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                   mask: torch.Tensor, cache) -> torch.Tensor:
+    """What a `LEAN_FAMILIES` attention module computes, with fewer framework calls (draft depths are small, so
+    the calls cost more than the arithmetic): `hidden [B, q, H_in]`, cos/sin `[B, q, D]`, additive `mask
+    [B, 1, q, k]`, `cache` updated at layer `attention.layer_idx` (or None) -> `[B, q, H]`."""
+    B, q = hidden.shape[:2]
+    heads = (B, q, -1, attention.head_dim)
+    query = attention.q_proj(hidden).view(heads)
+    key = attention.k_proj(hidden).view(heads)
+    value = attention.v_proj(hidden).view(heads).transpose(1, 2)
+    if hasattr(attention, "q_norm"):  # Qwen3
+        query, key = attention.q_norm(query), attention.k_norm(key)
+    query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx)
+    mask = mask[..., : key.shape[-2]]
+    attended = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attention.scaling,
+                                                          enable_gqa=key.shape[1] != query.shape[1])
+    return attention.o_proj(attended.transpose(1, 2).reshape(B, q, -1))
+
+
 class Eagle3DecoderLayer(nn.Module):
     """An EAGLE-3 specialist: layer inputs `[B, S, 2H]` = `concat(embedding, hidden)` -> features `[B, S, H]`.
 
@@ -156,8 +188,11 @@ class Eagle3DecoderLayer(nn.Module):
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
         """`hidden_states`: the layer inputs `[B, S, 2H]`; the other arguments as for a transformers decoder layer."""
         attention_input, residual = self.attention_inputs(hidden_states)
-        attended, _ = self.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
-                                     attention_mask=attention_mask, cache=cache, **kwargs)
+        if attention_mask is not None and runs_lean(self.self_attn):
+            attended = lean_attention(self.self_attn, attention_input, position_embeddings, attention_mask, cache)
+        else:
+            attended, _ = self.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
+                                         attention_mask=attention_mask, cache=cache, **kwargs)
         hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -265,6 +300,9 @@ class PosSDrafter(PosSPreTrainedModel):
                 layer.input_layernorm = nn.Identity()
             self.norm = None
         self.rotary_emb = rotary_class(config=layer_config)
+        # Family layers whose inference forward `run_specialist` writes out (`lean_attention`); EAGLE-3 layers
+        # take it inside their own forward.
+        self._lean_layers = not config.is_eagle3 and config.layer_family in LEAN_FAMILIES
         self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         self.draft_lm_head = self.draft_head_map = None
         if config.draft_vocab_size is not None:
@@ -521,9 +559,14 @@ class PosSDrafter(PosSPreTrainedModel):
             position_embeddings = self.rotary_emb(layer_inputs, position_ids, "full_attention")
         else:
             position_embeddings = self.rotary_emb(layer_inputs, position_ids)
-        return self.specialists[specialist](
+        layer, attention_mask = self.specialists[specialist], attention_mask.to(layer_inputs.dtype)
+        if self._lean_layers and runs_lean(layer.self_attn):
+            hidden = layer_inputs + lean_attention(layer.self_attn, layer.input_layernorm(layer_inputs),
+                                                   position_embeddings, attention_mask, cache)
+            return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return layer(
             layer_inputs,
-            attention_mask=attention_mask.to(layer_inputs.dtype),
+            attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
             use_cache=cache is not None,
