@@ -1,3 +1,4 @@
+import copy
 import os
 import sys
 
@@ -20,8 +21,9 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def fitted_pairs():
-    """One (target, fitted drafter) per family, built once per session (a few seconds each)."""
-    cache = {}
+    """One (target, fitted drafter) per family, built once per session (a few seconds each). Each call hands the
+    drafter out with the generation settings it was fitted with: what one test sets does not leak into the next."""
+    cache, settings = {}, {}
 
     def get(family: str, attn_implementation: str = "sdpa", feature_layers: tuple[int, ...] | None = None):
         key = (family, attn_implementation, feature_layers)
@@ -29,6 +31,8 @@ def fitted_pairs():
             target = tiny_target(family, attn_implementation=attn_implementation)
             extra = {"feature_layers": list(feature_layers)} if feature_layers else {}
             cache[key] = (target, fitted_drafter(target, tree_depth=4, tree_top_k=3, tree_total_tokens=12, **extra))
+            settings[key] = copy.deepcopy(cache[key][1].generation_config)
+        cache[key][1].generation_config = copy.deepcopy(settings[key])
         return cache[key]
 
     return get

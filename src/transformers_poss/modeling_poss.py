@@ -304,6 +304,10 @@ class PosSDrafter(PosSPreTrainedModel):
         # take it inside their own forward.
         self._lean_layers = not config.is_eagle3 and config.layer_family in LEAN_FAMILIES
         self._rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        # RoPE from a table of positions (`_rope_rows`) where cos/sin depend on the position alone.
+        self._rope_table_allowed = (not self._rotary_takes_layer_type
+                                    and getattr(self.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope"))
+        self._rope_table = None
         self.draft_lm_head = self.draft_head_map = None
         if config.draft_vocab_size is not None:
             self.draft_lm_head = nn.Linear(hidden, config.own_draft_head_rows, bias=False)
@@ -537,6 +541,7 @@ class PosSDrafter(PosSPreTrainedModel):
         position_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         cache: DynamicCache | None = None,
+        positions_below: int | None = None,
     ) -> torch.Tensor:
         """Run one specialist layer.
 
@@ -546,6 +551,8 @@ class PosSDrafter(PosSPreTrainedModel):
             position_ids: `[B, S]` target positions of the inputs.
             attention_mask: additive float `[B, 1, S, past + S]` (see `additive_mask`); `None` means causal.
             cache: drafter cache; layer `specialist` of it holds this specialist's past keys/values.
+            positions_below: a bound on `position_ids` known without reading them (the draft session's): the RoPE
+                cos/sin are then rows of a table instead of computed per call.
         Returns:
             predicted features `[B, S, H]`.
         """
@@ -555,7 +562,9 @@ class PosSDrafter(PosSPreTrainedModel):
             past = cache_length(cache, specialist)
             allowed = causal_allowed(layer_inputs.shape[1], past, layer_inputs.device)
             attention_mask = additive_mask(allowed, layer_inputs.dtype)
-        if self._rotary_takes_layer_type:
+        if positions_below is not None and self._rope_table_allowed:
+            position_embeddings = self._rope_rows(layer_inputs, position_ids, positions_below)
+        elif self._rotary_takes_layer_type:
             position_embeddings = self.rotary_emb(layer_inputs, position_ids, "full_attention")
         else:
             position_embeddings = self.rotary_emb(layer_inputs, position_ids)
@@ -572,6 +581,17 @@ class PosSDrafter(PosSPreTrainedModel):
             use_cache=cache is not None,
             position_embeddings=position_embeddings,
         )
+
+    def _rope_rows(self, like: torch.Tensor, position_ids: torch.LongTensor, positions_below: int):
+        """RoPE (cos, sin) `[B, S, D]` of `position_ids [B, S]` (all below `positions_below`) in `like`'s dtype, read
+        from a table of positions `0 .. P - 1` the rotary module made (remade twice as long when too short)."""
+        key = (like.dtype, like.device)
+        table = self._rope_table
+        if table is None or table[0] != key or table[1].shape[0] < positions_below:
+            positions = torch.arange(max(2 * positions_below, 256), device=like.device)[None]
+            cos, sin = self.rotary_emb(like, positions)
+            table = self._rope_table = (key, cos[0], sin[0])
+        return table[1][position_ids], table[2][position_ids]
 
     def logits(self, features: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
         """Draft logits `[..., H] -> [..., V]` (target `lm_head`) or `[..., Vd]` with a draft vocabulary (after the

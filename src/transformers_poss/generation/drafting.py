@@ -16,9 +16,10 @@ and the round's nodes, which every row has the same number of, in slots `M .. M 
 the nodes of all rows are written and masked alike. Slots between `S_b` and `M` are masked for row `b`.
 
 Cost. A draft round works in buffers that grow only when a call needs more room: the context's layer inputs, each
-specialist's keys and values (written in place, never concatenated), the round's node inputs, positions and
-node-to-node attention mask, and the scored candidates. Shapes per depth are static (the frontier is always
-`min(top_k, draft vocabulary)` wide) and nothing is read back to the host until the trees are assembled.
+specialist's keys and values (written in place, never concatenated), the round's node inputs and positions, and the
+scored candidates; the round's attention mask is made once per round and filled in place as nodes are added. Shapes
+per depth are static (the frontier is always `min(top_k, draft vocabulary)` wide) and nothing is read back to the
+host until the trees are assembled.
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ class DraftSession:
         self.node_count = 0  # N: round nodes fed so far (per row)
         self._node_inputs: torch.Tensor | None = None  # [B, >= N, layer_input_size]
         self._node_positions: torch.Tensor | None = None  # [B, >= N]
-        # Additive node-to-node mask [B, >= N + 1, >= N]: row i attends to its ancestors and itself (0), nothing else
-        # (min); the last row stays all min, the row of the root's children's "parent".
-        self._node_mask: torch.Tensor | None = None
+        # The round's additive mask [B, capacity + 1, M + capacity] over the cache slots: node i (row i) sees its row's
+        # context and its ancestors and itself (0), nothing else (min). The last row sees the context only: the row
+        # the root's children copy as their "parent's".
+        self._round_mask: torch.Tensor | None = None
         self._diagonal: torch.Tensor | None = None  # arange of the node capacity
         self._batch_index: torch.Tensor | None = None  # arange(B)[:, None]
 
@@ -163,20 +165,23 @@ class DraftSession:
         self.cache.select_rows(index)
         self.context_cached = [None if c is None else [c[b] for b in rows] for c in self.context_cached]
         self.context_features = [None if f is None else f[index] for f in self.context_features]
-        self._node_inputs = self._node_mask = self._node_positions = self._batch_index = None
+        self._node_inputs = self._node_positions = self._batch_index = None
 
     def begin_round(self, max_nodes: int) -> None:
-        """Make room for up to `max_nodes` fed nodes per row this round (buffers grow only when a round needs more)."""
-        if self._node_inputs is not None and self._node_inputs.shape[1] >= max_nodes:
-            return
+        """Make room for up to `max_nodes` fed nodes per row this round (node buffers grow only when a round needs
+        more) and make the round's attention mask."""
         weight, B = self.drafter.fc.weight, self.batch_size
-        capacity = max(max_nodes, 8)
-        self._node_inputs = weight.new_zeros(B, capacity, self.drafter.layer_input_size)
-        self._node_positions = torch.zeros(B, capacity, dtype=torch.long, device=weight.device)
-        self._node_mask = torch.full((B, capacity + 1, capacity), torch.finfo(weight.dtype).min, dtype=weight.dtype,
-                                     device=weight.device)
-        self._diagonal = torch.arange(capacity, device=weight.device)
-        self._batch_index = torch.arange(B, device=weight.device)[:, None]
+        if self._node_inputs is None or self._node_inputs.shape[1] < max_nodes:
+            capacity = max(max_nodes, 8)
+            self._node_inputs = weight.new_zeros(B, capacity, self.drafter.layer_input_size)
+            self._node_positions = torch.zeros(B, capacity, dtype=torch.long, device=weight.device)
+            self._diagonal = torch.arange(capacity, device=weight.device)
+            self._batch_index = torch.arange(B, device=weight.device)[:, None]
+        capacity, M = self._node_inputs.shape[1], self.context_length
+        self._round_mask = torch.full((B, capacity + 1, M + capacity), torch.finfo(weight.dtype).min, dtype=weight.dtype,
+                                      device=weight.device)
+        for b, length in enumerate(self.lengths):
+            self._round_mask[b, :, :length] = 0
 
     def end_round(self) -> None:
         """Forget this round's draft levels (their cache slots are rewritten by the next round's)."""
@@ -193,9 +198,10 @@ class DraftSession:
         rows = self._diagonal[first : first + n]
         self._node_inputs[:, first : first + n] = inputs
         self._node_positions[:, first : first + n] = self._lengths_tensor + (level - 2)
-        parent_rows = torch.where(parent_nodes >= 0, parent_nodes, self._node_mask.shape[1] - 1)
-        self._node_mask[:, first : first + n] = self._node_mask[self._batch_index, parent_rows]
-        self._node_mask[:, rows, rows] = 0
+        mask = self._round_mask
+        parent_rows = torch.where(parent_nodes >= 0, parent_nodes, mask.shape[1] - 1)
+        mask[:, first : first + n] = mask[self._batch_index, parent_rows]
+        mask[:, rows, self.context_length + rows] = 0
         self.node_count = first + n
         return first
 
@@ -215,7 +221,7 @@ class DraftSession:
         minimum = torch.finfo(dtype).min
         if cached == S:  # the common case: only this round's new nodes, in slots M + r .. M + N - 1 of every row
             queries, positions = self._node_inputs[:, r:N], self._node_positions[:, r:N]
-            mask = torch.cat((self._context_visible(S, M, N - r, dtype), self._node_mask[:, r:N, :N]), dim=-1)
+            mask = self._round_mask[:, r:N, : M + N]
             slots, new = M + r, 0
         else:  # catch up over each row's new context positions, then every node of the round
             assert r == 0, "a specialist's round nodes must sit on a complete context"
@@ -236,25 +242,16 @@ class DraftSession:
             if N:
                 queries = torch.cat((queries, self._node_inputs[:, :N]), dim=1)
                 positions = torch.cat((positions, self._node_positions[:, :N]), dim=1)
-                node_mask = torch.cat((self._context_visible(S, M, N, dtype), self._node_mask[:, :N, :N]), dim=-1)
-                context_mask = torch.cat((context_mask, node_mask), dim=1)
+                context_mask = torch.cat((context_mask, self._round_mask[:, :N, : M + N]), dim=1)
                 slots = torch.cat((slots, (M + self._diagonal[:N]).expand(self.batch_size, N)), dim=1)
             mask = context_mask
         self.cache.write_at(slots, M + N)
-        out = self.drafter.run_specialist(specialist, queries, positions, mask[:, None], self.cache)
+        out = self.drafter.run_specialist(specialist, queries, positions, mask[:, None], self.cache, M + N)
         self.context_cached[specialist], self.nodes_cached[specialist] = list(S), N
         if new:
             last = torch.tensor([n - 1 for n in counts], device=device)
             self.context_features[specialist] = out[torch.arange(self.batch_size, device=device), last]
         return self.context_features[specialist], out[:, new:]
-
-    def _context_visible(self, lengths: list[int], width: int, queries: int, dtype) -> torch.Tensor:
-        """Additive mask `[B, queries, width]` over the context slots: row b sees its first `S_b`."""
-        mask = torch.zeros(self.batch_size, queries, width, dtype=dtype, device=self._context_inputs.device)
-        for b, length in enumerate(lengths):
-            if length < width:
-                mask[b, :, length:] = torch.finfo(dtype).min
-        return mask
 
 
 @dataclass
