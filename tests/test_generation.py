@@ -453,52 +453,6 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
     torch.testing.assert_close(fast[2].candidates.scores, reference[2].candidates.scores, rtol=1e-5, atol=1e-5)
 
 
-def test_later_specialists_catch_up_over_the_needed_nodes_only(fitted_pairs, monkeypatch):
-    """A specialist that first runs at a later depth of a round runs the newest nodes and their ancestors, not every
-    node of the round: the trees and scores equal those of running every node, for one row and a batch of rows, when
-    it also catches up over new context and when it does not; and nodes were skipped."""
-    from transformers_poss.generation import drafting
-    from transformers_poss.generation.drafting import DraftSession, draft_trees
-
-    target, drafter = fitted_pairs("llama")  # specialist 0 drafts positions 1-2, specialist 1 positions 3-4
-    rows = prompts(count=3)
-    with torch.no_grad():
-        outs = [target(row, output_hidden_states=drafter.config.input_feature_layers) for row in rows]
-    features = [drafter.target_features(out.hidden_states)[0] for out in outs]
-    tokens = [torch.cat((row[0, 1:], out.logits[0, -1:].argmax(-1))) for row, out in zip(rows, outs)]
-    skipped = []
-    select = DraftSession._nodes_to_run
-
-    def counting(session, first):
-        nodes, needed = select(session, first)
-        skipped.append(0 if nodes is None else session.node_count - first - nodes.shape[1])
-        return nodes, needed
-
-    def trees(batch):
-        session, found = DraftSession(drafter, batch_size=len(batch)), []
-        for cut in (-2, None):  # two rounds: the second commits two more positions per row
-            start = [0 if cut else f.shape[0] - 2 for f in features]
-            session.commit_rows([features[b][start[i] : cut] for i, b in enumerate(batch)],
-                                [tokens[b][start[i] : cut] for i, b in enumerate(batch)])
-            roots = torch.stack([tokens[b][-3 if cut else -1] for b in batch])
-            for _ in range(2):  # a second draft on the same context: no catch-up over context
-                found += draft_trees(session, roots, [5] * len(batch), top_k=3, total_tokens=14)
-                session.end_round()
-        return found
-
-    monkeypatch.setattr(DraftSession, "_nodes_to_run", counting)
-    for batch in ([0], [0, 1, 2]):
-        skipped.clear()
-        selected = trees(batch)
-        assert sum(skipped) > 0, skipped
-        monkeypatch.setattr(DraftSession, "_nodes_to_run", lambda session, first: (None, None))
-        everything = trees(batch)
-        monkeypatch.setattr(DraftSession, "_nodes_to_run", counting)
-        for a, b in zip(selected, everything):
-            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
-            torch.testing.assert_close(a.candidates.scores, b.candidates.scores, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_greedy_identity_with_int8_draft_weights(fitted_pairs, monkeypatch, family, mode):

@@ -100,7 +100,6 @@ class DraftSession:
         self.nodes_cached = [0] * n  # round nodes in each specialist's cache
         self.context_features: list[torch.Tensor | None] = [None] * n  # each specialist's output at S_b - 1 [B, H]
         self.node_count = 0  # N: round nodes fed so far (per row)
-        self.last_fed = 0  # nodes the last `add_nodes` fed (the newest ones)
         self._node_inputs: torch.Tensor | None = None  # [B, >= N, layer_input_size]
         self._node_positions: torch.Tensor | None = None  # [B, >= N]
         # The round's additive mask [B, capacity + 1, M + capacity] over the cache slots: node i (row i) sees its row's
@@ -187,7 +186,7 @@ class DraftSession:
     def end_round(self) -> None:
         """Forget this round's draft levels (their cache slots are rewritten by the next round's)."""
         self.nodes_cached = [0] * len(self.nodes_cached)
-        self.node_count = self.last_fed = 0
+        self.node_count = 0
 
     def add_nodes(self, inputs: torch.Tensor, level: int, parent_nodes: torch.LongTensor) -> int:
         """Feed round nodes of draft level `level` (>= 2): layer inputs `[B, n, layer_input_size]`, at drafter
@@ -203,7 +202,7 @@ class DraftSession:
         parent_rows = torch.where(parent_nodes >= 0, parent_nodes, mask.shape[1] - 1)
         mask[:, first : first + n] = mask[self._batch_index, parent_rows]
         mask[:, rows, self.context_length + rows] = 0
-        self.node_count, self.last_fed = first + n, n
+        self.node_count = first + n
         return first
 
     @torch.no_grad()
@@ -211,12 +210,8 @@ class DraftSession:
         """Bring `specialist` up to date over the context and round nodes.
 
         Returns:
-            (feature predicted at each row's last context position `[B, H]`, predicted features of the nodes the last
-            `add_nodes` fed `[B, last_fed, H]`).
-
-        A specialist that first runs at a later depth of the round catches up over the nodes it has not seen; on the
-        CPU only over the newest nodes' ancestors (their descendants, fed later, see nothing else), elsewhere over all
-        of them (the count would have to be read back from the device).
+            (feature predicted at each row's last context position `[B, H]`, predicted features of the round nodes
+            it had not yet run `[B, n_new_nodes, H]`).
         """
         S, M, N = self.lengths, self.context_length, self.node_count
         cached, r = self.context_cached[specialist] or [0] * self.batch_size, self.nodes_cached[specialist]
@@ -224,16 +219,10 @@ class DraftSession:
             return self.context_features[specialist], self._context_inputs[:, :0]
         dtype, device = self._context_inputs.dtype, self._context_inputs.device
         minimum = torch.finfo(dtype).min
-        nodes, needed = self._nodes_to_run(r)
-        if nodes is not None:
-            node_inputs = self._node_inputs[self._batch_index, nodes]
-            node_positions = self._node_positions[self._batch_index, nodes]
-            node_mask, node_slots = self._round_mask[self._batch_index, nodes, : M + N], M + nodes
-        elif N > r:  # nodes r .. N - 1 in slots M + r .. M + N - 1 of every row
-            node_inputs, node_positions = self._node_inputs[:, r:N], self._node_positions[:, r:N]
-            node_mask, node_slots = self._round_mask[:, r:N, : M + N], M + r
-        if cached == S:  # the common case: only this round's nodes
-            queries, positions, mask, slots, new = node_inputs, node_positions, node_mask, node_slots, 0
+        if cached == S:  # the common case: only this round's new nodes, in slots M + r .. M + N - 1 of every row
+            queries, positions = self._node_inputs[:, r:N], self._node_positions[:, r:N]
+            mask = self._round_mask[:, r:N, : M + N]
+            slots, new = M + r, 0
         else:  # catch up over each row's new context positions, then every node of the round
             assert r == 0, "a specialist's round nodes must sit on a complete context"
             counts = [s - c for s, c in zip(S, cached)]
@@ -251,12 +240,10 @@ class DraftSession:
             positions = context_positions
             slots = torch.where(real, context_positions, M + N)  # padded queries write past what is read
             if N:
-                queries = torch.cat((queries, node_inputs), dim=1)
-                positions = torch.cat((positions, node_positions), dim=1)
-                context_mask = torch.cat((context_mask, node_mask), dim=1)
-                if isinstance(node_slots, int):
-                    node_slots = (node_slots + self._diagonal[:N]).expand(self.batch_size, N)
-                slots = torch.cat((slots, node_slots), dim=1)
+                queries = torch.cat((queries, self._node_inputs[:, :N]), dim=1)
+                positions = torch.cat((positions, self._node_positions[:, :N]), dim=1)
+                context_mask = torch.cat((context_mask, self._round_mask[:, :N, : M + N]), dim=1)
+                slots = torch.cat((slots, (M + self._diagonal[:N]).expand(self.batch_size, N)), dim=1)
             mask = context_mask
         self.cache.write_at(slots, M + N)
         out = self.drafter.run_specialist(specialist, queries, positions, mask[:, None], self.cache, M + N)
@@ -264,27 +251,7 @@ class DraftSession:
         if new:
             last = torch.tensor([n - 1 for n in counts], device=device)
             self.context_features[specialist] = out[torch.arange(self.batch_size, device=device), last]
-        out = out[:, new:]
-        if nodes is None:
-            return self.context_features[specialist], out[:, out.shape[1] - self.last_fed :]
-        newest = needed[:, None] - self.last_fed + self._diagonal[: self.last_fed]  # [B, last_fed]
-        return self.context_features[specialist], out[self._batch_index, newest]
-
-    def _nodes_to_run(self, first: int) -> tuple[torch.LongTensor | None, torch.LongTensor | None]:
-        """Which of nodes `first .. N - 1` a specialist runs: (indices `[B, n]`, how many of each row's are needed
-        `[B]`), or (None, None) for all of them. Needed: the nodes the last `add_nodes` fed and their ancestors, each
-        row's ascending and first; a row with fewer ends with unneeded nodes (which cost time, nothing else)."""
-        N, M = self.node_count, self.context_length
-        if N - first <= self.last_fed or self._round_mask.device.type != "cpu":
-            return None, None
-        visible = self._round_mask[:, N - self.last_fed : N, M + first : M + N] == 0
-        needed = visible.any(dim=1)  # [B, N - first]
-        counts = needed.sum(dim=1)
-        width = int(counts.max())
-        if width == N - first:
-            return None, None
-        order = torch.sort((~needed).to(torch.uint8), dim=1, stable=True).indices[:, :width]
-        return first + order, counts
+        return self.context_features[specialist], out[:, new:]
 
 
 @dataclass
