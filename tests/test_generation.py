@@ -410,9 +410,9 @@ def test_int8_draft_linear_products_and_fallbacks():
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "eagle3"])
 def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, family, implementation):
-    """Inference runs specialists through `lean_attention` instead of the transformers attention modules: the same
-    features with and without a cache (layer inputs, keys and values perturbed away from their initial values, Qwen2's
-    biases and Qwen3's q/k norms included), and the same draft trees."""
+    """Inference runs specialists through `lean_attention` instead of the transformers attention modules, and a draft
+    session reads RoPE rows from a table: the same features with and without a cache (weights perturbed away from their
+    initial values, so Qwen2's biases and Qwen3's q/k norms count), and the same draft trees."""
     from transformers_poss import PosSDrafter, modeling_poss
     from transformers_poss.generation.drafting import DraftSession, draft_tree
 
@@ -444,8 +444,12 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
     lean = modeling_poss.lean_attention
     monkeypatch.setattr(modeling_poss, "lean_attention", lambda *args: calls.append(1) or lean(*args))
     fast = outputs()
-    assert len(calls) >= 6
+    assert len(calls) >= 6 and drafter._rope_table is not None  # the session's RoPE rows came from the table
+    table, computed = drafter._rope_rows(inputs, positions, 40), drafter.rotary_emb(inputs, positions)
+    for read, made in zip(table, computed):
+        torch.testing.assert_close(read, made, rtol=1e-6, atol=1e-6)
     monkeypatch.setattr(modeling_poss, "runs_lean", lambda attention: False)
+    monkeypatch.setattr(drafter, "_rope_table_allowed", False)
     reference = outputs()
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast[1], reference[1], rtol=1e-5, atol=1e-5)

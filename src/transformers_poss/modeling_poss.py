@@ -148,9 +148,13 @@ def lean_attention(attention: nn.Module, hidden: torch.Tensor, position_embeddin
     query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
     if cache is not None:
         key, value = cache.update(key, value, attention.layer_idx)
-    mask = mask[..., : key.shape[-2]]
-    attended = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attention.scaling,
-                                                          enable_gqa=key.shape[1] != query.shape[1])
+    groups = query.shape[1] // key.shape[1]
+    native_groups = query.device.type == "cpu"  # elsewhere masked grouped-query attention takes the math kernel
+    if groups > 1 and not native_groups:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    attended = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[..., : key.shape[-2]],
+                                                          scale=attention.scaling,
+                                                          enable_gqa=groups > 1 and native_groups)
     return attention.o_proj(attended.transpose(1, 2).reshape(B, q, -1))
 
 
