@@ -1,9 +1,10 @@
 """Where a speculative round's time goes: drafting per depth, verification in decode steps, bookkeeping.
 
 Runs the shipped PosS-2 drafter (or `--drafter`) on the default target over chat prompts for several tree budgets
-(without the prompt-lookup branch; a fourth field sets `deep_draft_vocab`), after timing plain greedy decoding on the
-same prompts, and prints one row per budget: tau, median draft ms per round and per depth, median verify ms and
-decode steps, median bookkeeping ms, tokens/s and speedup over plain decoding. `--json` writes the rows. Greedy, one process, nothing else running:
+(without the prompt-lookup branch; a fourth field sets `deep_draft_vocab`) and plain greedy decoding, each prompt
+through plain decoding and then every budget, and prints one row per budget: tau, median draft ms per round and per
+depth, median verify ms and decode steps, median bookkeeping ms, tokens/s and speedup over plain decoding. `--json`
+writes the rows. Greedy, one process, nothing else running:
 
     python scripts/round_costs.py --dtype bfloat16 --threads 2 --prompts ../shared/data/specbench/mt_bench.jsonl
 """
@@ -58,34 +59,42 @@ def main(argv=None) -> int:
                                   do_sample=False, assistant_model=assistant, return_dict_in_generate=True)
         return out, time.perf_counter() - start
 
-    generate(prompts[0][:, :16])  # warm-up
-    decode = statistics.median(s / (o.sequences.shape[1] - ids.shape[1])
-                               for ids in prompts for o, s in [generate(ids)])
-    rows = []
-    for depth, top_k, total, deep_vocab in args.budget or BUDGETS:
-        view = drafter.with_generation_config(tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total,
-                                              lookup_num_tokens=0, draft_mode="tree", deep_draft_vocab=deep_vocab,
-                                              int8_draft_weights=args.int8_draft_weights)
-        generate(prompts[0][:, :16], view)  # warm-up
-        draft, verify, bookkeeping, lengths, tokens, seconds = [], [], [], [], 0, 0.0
-        for ids in prompts:
+    budgets = args.budget or BUDGETS
+    views = [drafter.with_generation_config(tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total,
+                                            lookup_num_tokens=0, draft_mode="tree", deep_draft_vocab=deep_vocab,
+                                            int8_draft_weights=args.int8_draft_weights)
+             for depth, top_k, total, deep_vocab in budgets]
+    generate(prompts[0][:, :16])  # warm-ups
+    for view in views:
+        generate(prompts[0][:, :16], view)
+    # Each prompt runs plain decoding and then every budget, so a drifting machine speed moves them alike.
+    decode_times = []
+    found = [{"draft": [], "verify": [], "bookkeeping": [], "lengths": [], "tokens": 0, "seconds": 0.0} for _ in views]
+    for ids in prompts:
+        out, elapsed = generate(ids)
+        decode_times.append(elapsed / (out.sequences.shape[1] - ids.shape[1]))
+        for view, acc in zip(views, found):
             out, elapsed = generate(ids, view)
             stats = out.speculative_stats
-            draft += stats.draft_seconds
-            verify += stats.verify_seconds
-            bookkeeping += stats.bookkeeping_seconds
-            lengths += stats.acceptance_lengths
-            tokens += out.sequences.shape[1] - ids.shape[1]
-            seconds += elapsed
-        row = {
+            acc["draft"] += stats.draft_seconds
+            acc["verify"] += stats.verify_seconds
+            acc["bookkeeping"] += stats.bookkeeping_seconds
+            acc["lengths"] += stats.acceptance_lengths
+            acc["tokens"] += out.sequences.shape[1] - ids.shape[1]
+            acc["seconds"] += elapsed
+    decode = statistics.median(decode_times)
+    rows = []
+    for (depth, top_k, total, deep_vocab), acc in zip(budgets, found):
+        draft, verify = statistics.median(acc["draft"]), statistics.median(acc["verify"])
+        rows.append({
             "budget": f"{depth}/{top_k}/{total}" + (f"/{deep_vocab}" if deep_vocab else ""),
-            "tau": statistics.fmean(lengths) + 1,
-            "draft_ms": 1e3 * statistics.median(draft), "draft_ms_per_depth": 1e3 * statistics.median(draft) / depth,
-            "verify_ms": 1e3 * statistics.median(verify), "verify_decode_steps": statistics.median(verify) / decode,
-            "bookkeeping_ms": 1e3 * statistics.median(bookkeeping), "tokens_per_s": tokens / seconds,
-            "speedup": tokens / seconds * decode, "rounds": len(lengths),
-        }
-        rows.append(row)
+            "tau": statistics.fmean(acc["lengths"]) + 1,
+            "draft_ms": 1e3 * draft, "draft_ms_per_depth": 1e3 * draft / depth,
+            "verify_ms": 1e3 * verify, "verify_decode_steps": verify / decode,
+            "bookkeeping_ms": 1e3 * statistics.median(acc["bookkeeping"]),
+            "tokens_per_s": acc["tokens"] / acc["seconds"], "speedup": acc["tokens"] / acc["seconds"] * decode,
+            "rounds": len(acc["lengths"]),
+        })
     print(f"plain decoding {decode * 1e3:.1f} ms per token; {len(prompts)} prompts, {args.max_new_tokens} new tokens")
     print("| depth / top-k / tokens | tau | draft ms per round (per depth) | verify ms (decode steps) | "
           "bookkeeping ms | tokens/s | speedup |")
