@@ -437,7 +437,7 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
             width = drafter.config.hidden_size * len(drafter.config.input_feature_layers)
             features = torch.randn(19, width, generator=torch.Generator().manual_seed(1))
             session.commit(features, context[0, 1:])
-            tree = draft_tree(session, context[0, -1], depth=4, top_k=3, total_tokens=10)
+            tree = draft_tree(session, context[0, -1], depth=4, top_k=3, total_tokens=31)  # all 4 levels
         return drafter.run_specialist(0, inputs, positions), torch.cat((first, rest), dim=1), tree
 
     calls = []

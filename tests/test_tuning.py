@@ -5,8 +5,9 @@ import torch
 
 from tiny_models import prompts
 from transformers_poss.cli import main as poss_main
-from transformers_poss.generation.drafting import DraftSession, draft_tree
-from transformers_poss.tuning import format_costs, format_table, replay_accepted, subtree_candidates, tune
+from transformers_poss.generation.drafting import DraftSession, draft_tree, level_rank
+from transformers_poss.tuning import (drafted_depth, format_costs, format_table, replay_accepted, stopping_ranks,
+                                     subtree_candidates, tune)
 
 
 def _traced_generate(target, drafter, prompt, depth, top_k, total_tokens, max_new_tokens=24):
@@ -39,12 +40,29 @@ def test_subtree_of_recorded_candidates_is_the_tree_drafted_with_the_smaller_bud
     session.commit(out.hidden_states[-1][0], ids[0, 1:])
     big = draft_tree(session, ids[0, -1], depth=4, top_k=3, total_tokens=30)
     session.end_round()
-    for depth, total in [(1, 3), (2, 5), (3, 8), (4, 12), (4, 30), (2, 30)]:
+    assert int(big.candidates.depths.max()) == 4  # a budget as large as the full tree never stops early
+    ranks, stopped_early = stopping_ranks(big.candidates), 0
+    for depth, total in [(1, 3), (2, 5), (3, 8), (4, 12), (4, 30), (2, 30), (4, 2), (4, 3), (4, 4), (4, 6)]:
         small = draft_tree(session, ids[0, -1], depth=depth, top_k=3, total_tokens=total)
         session.end_round()
         chosen = subtree_candidates(big.candidates, depth, total)
         assert torch.equal(big.candidates.tokens[chosen], small.tokens[1:])
         assert torch.equal(big.candidates.depths[chosen], small.depths[1:])
+        # Drafting stops after the level whose children could not enter the tree, and the replay knows where.
+        levels = int(small.candidates.depths.max())
+        assert levels == drafted_depth(ranks, depth, total)
+        assert levels >= int(small.depths.max())
+        stopped_early += levels < depth
+    assert stopped_early  # small budgets on a deep tree stop early
+
+
+def test_level_rank_stops_only_where_no_deeper_candidate_could_enter():
+    scores = torch.tensor([[0.0, -1.0, -2.0, -3.0]] * 3)
+    ranks = level_rank(scores, torch.tensor([-1.5, -2.0, -5.0]))
+    assert ranks.tolist() == [2, 3, 4]
+    # A child scoring -1.5 would be third: it enters a 3-node tree, not a 2-node one. One scoring -2.0 ties the third
+    # and loses the tie to the earlier candidate.
+    assert (ranks < torch.tensor([3, 3, 5])).tolist() == [True, False, True]
 
 
 def test_tune_ranks_every_budget_and_restores_the_config(fitted_pairs):

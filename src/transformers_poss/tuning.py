@@ -7,7 +7,9 @@ forward and emits `a + 1` tokens (`a` accepted drafts plus the target's own next
 
 - `verify_s(T)`: median time of one target forward over `T` tree tokens on a cached context of the calibration
   prompts' typical length, with the tree attention mask, measured here.
-- `draft_s(d, k)`: median time of `draft_tree` at depth `d` and width `k` on the same context, measured here.
+- `draft_s(d, k)`: median time of `draft_tree` at depth `d` and width `k` on the same context, measured here,
+  averaged over the calibration rounds at the depth each would reach: drafting stops early in rounds where a
+  deeper level could not enter the tree (`drafted_depth`).
 - `overhead_s`: what a real round costs beyond those two (acceptance, cache compaction, feature feedback, stopping
   checks): the median over calibration rounds of measured round time minus the two modelled parts.
 - `E[a + 1]`: replayed, not guessed. For each width `k`, greedy generation on calibration prompts runs with the
@@ -31,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .cli import typed_command
-from .generation.drafting import DraftSession, DraftTree, draft_tree, max_tree_nodes, select_candidates
+from .generation.drafting import (DraftSession, DraftTree, draft_tree, level_rank, max_tree_nodes,
+                                  select_candidates)
 from .generation.stats import RoundTrace
 from .generation.tree_decoding import tree_attention_mask
 
@@ -97,6 +100,30 @@ def subtree_candidates(candidates, depth: int, total_tokens: int) -> torch.LongT
     return eligible[select_candidates(candidates.scores[eligible], max(total_tokens - 1, 0))]
 
 
+def stopping_ranks(candidates) -> list[float]:
+    """For each level `j` of a recorded draft, the largest tree budget (draft nodes) that stops drafting after it
+    (`level_rank`): how many candidates of depth <= j score at least level j's best; infinite where the recorded
+    draft stopped (no level j + 1 was recorded), since a smaller budget stops there too."""
+    last = int(candidates.depths.max())
+    ranks = []
+    for level in range(1, last + 1):
+        if level == last:
+            ranks.append(float("inf"))
+            break
+        scores = candidates.scores[candidates.depths <= level][None]
+        ranks.append(float(level_rank(scores, candidates.scores[candidates.depths == level].max()[None])[0]))
+    return ranks
+
+
+def drafted_depth(ranks: list[float] | None, depth: int, total_tokens: int) -> int:
+    """Levels `draft_tree` drafts at this depth and size, given the recorded draft's `stopping_ranks` (None: a
+    root-only round): the first level whose rank reaches the budget, else `depth`."""
+    if ranks is None or total_tokens <= 1:
+        return 0
+    budget = total_tokens - 1
+    return next((level for level, rank in enumerate(ranks[: depth - 1], start=1) if rank >= budget), depth)
+
+
 def replay_accepted(trace: RoundTrace, depth: int, total_tokens: int) -> int:
     """Draft tokens a tree of this depth and size would have accepted in the traced round (greedy)."""
     candidates = trace.candidates
@@ -113,6 +140,14 @@ def replay_accepted(trace: RoundTrace, depth: int, total_tokens: int) -> int:
             break
         accepted += 1
     return accepted
+
+
+def mean_draft_seconds(draft_seconds: dict[tuple[int, int], float], ranks: list[list[float] | None], depth: int,
+                       top_k: int, total_tokens: int) -> float:
+    """Mean drafting time per traced round (`ranks`: each round's `stopping_ranks`), stopping early as
+    `draft_tree` does; `draft_seconds[(j, top_k)]` is a draft of `j` full levels."""
+    depths = [drafted_depth(r, depth, total_tokens) for r in ranks]
+    return sum(draft_seconds[(j, top_k)] if j else 0.0 for j in depths) / len(depths)
 
 
 def mean_tokens_per_round(traces: list[RoundTrace], depth: int, total_tokens: int) -> float:
@@ -240,14 +275,15 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     verify = measure_verify_seconds(target, context, sizes, repeats)
     log("timing drafting ...")
     draft = measure_draft_seconds(drafter, target, context, range(1, max_depth + 1), top_ks, repeats)
+    ranks = {k: [None if t.candidates is None else stopping_ranks(t.candidates) for t in traces[k]] for k in top_ks}
     overhead = statistics.median(
-        seconds - draft[(max_depth, k)] - verify[calibrated_size[k]] for k in top_ks for seconds in round_seconds[k]
+        seconds - mean_draft_seconds(draft, [r], max_depth, k, calibrated_size[k]) - verify[calibrated_size[k]]
+        for k in top_ks for seconds, r in zip(round_seconds[k], ranks[k])
     )
     overhead = max(overhead, 0.0)
-
     estimates = [
         BudgetEstimate(depth=d, top_k=k, total_tokens=t, tokens_per_round=mean_tokens_per_round(traces[k], d, t),
-                       round_seconds=draft[(d, k)] + verify[t] + overhead)
+                       round_seconds=mean_draft_seconds(draft, ranks[k], d, k, t) + verify[t] + overhead)
         for d, k, t in budgets
     ]
     estimates.sort(key=lambda e: -e.tokens_per_second)

@@ -18,8 +18,8 @@ the nodes of all rows are written and masked alike. Slots between `S_b` and `M` 
 Cost. A draft round works in buffers that grow only when a call needs more room: the context's layer inputs, each
 specialist's keys and values (written in place, never concatenated), the round's node inputs and positions, and the
 scored candidates; the round's attention mask is made once per round and filled in place as nodes are added. Shapes
-per depth are static (the frontier is always `min(top_k, draft vocabulary)` wide) and nothing is read back to the
-host until the trees are assembled.
+per depth are static (the frontier is always `min(top_k, draft vocabulary)` wide); until the trees are assembled the
+host reads one flag per depth: whether any row's next level could still enter its tree.
 """
 
 from __future__ import annotations
@@ -316,6 +316,10 @@ def draft_trees(session: DraftSession, root_tokens: torch.LongTensor, depths: li
     reranked; the best `total_tokens - 1` (closed under ancestors, since a child never scores above its parent) form
     the tree with the root. Rows draft together to the deepest of `depths`; row b's tree takes the candidates of
     depth <= `depths[b]` only, which are the ones a draft of that depth scores.
+
+    Drafting stops early, at no cost to the trees, once no row's next level could enter its tree (`level_rank`): a
+    child scores at most its parent, so when a level's best candidate does not beat the budget's worst, nothing
+    deeper will. A deep budget then runs its later specialists only in rounds where their nodes can be verified.
     """
     drafter, config = session.drafter, session.drafter.config
     device = root_tokens.device
@@ -342,8 +346,14 @@ def draft_trees(session: DraftSession, root_tokens: torch.LongTensor, depths: li
     frontier_scores, frontier_tokens = scores, cand_tokens[:, :k]
     frontier_features = root_features[:, None].expand(-1, k, -1)
     frontier_nodes = torch.full((B, k), -1, dtype=torch.long, device=device)  # fed-node index of each one's parent
-    count = k
+    row_budgets = torch.tensor(budgets, device=device)
+    row_depths = torch.tensor(depths, device=device)
+    count, reached = k, 1
     for d in range(2, depth + 1):
+        grows = level_rank(cand_scores[:, :count], frontier_scores.amax(-1)) < row_budgets
+        if not bool((grows & (row_depths >= d)).any()):
+            break
+        reached = d
         inputs = drafter.project(frontier_tokens, frontier_features)  # [B, k, W]
         first = session.add_nodes(inputs, d, frontier_nodes)
         _, node_features = session.run(config.specialist_for_position(d))
@@ -369,11 +379,18 @@ def draft_trees(session: DraftSession, root_tokens: torch.LongTensor, depths: li
         if budget <= 0 or row_depth <= 0:
             trees.append(_make_tree(root_tokens[b], device))
             continue
-        n = k + (min(row_depth, depth) - 1) * k * k  # candidates of depth <= row_depth come first
+        n = k + (min(row_depth, reached) - 1) * k * k  # candidates of depth <= row_depth come first
         candidates = DraftCandidates(cand_tokens[b, :n], cand_parents[b, :n], cand_depths[b, :n], cand_scores[b, :n])
         trees.append(_make_tree(root_tokens[b], device, candidates, select_candidates(candidates.scores, budget),
                                 row_depth))
     return trees
+
+
+def level_rank(scores: torch.Tensor, level_best: torch.Tensor) -> torch.LongTensor:
+    """How many of a row's candidates so far `scores` `[B, C]` score at least its newest level's best `level_best`
+    `[B]`, `[B]`. Once that reaches the row's budget no deeper candidate can enter its tree: a child scores at most
+    its parent, and a tie goes to the earlier candidate (`select_candidates`)."""
+    return (scores >= level_best[:, None]).sum(-1)
 
 
 def select_candidates(scores: torch.Tensor, budget: int) -> torch.LongTensor:
