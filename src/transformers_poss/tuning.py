@@ -155,14 +155,17 @@ def mean_tokens_per_round(traces: list[RoundTrace], depth: int, total_tokens: in
 
 
 # ---- measurements ---------------------------------------------------------------------------------------------
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _interleaved_medians(calls: dict, repeats: int) -> dict:
+    """`{key: median seconds of calls[key]()}`, timing every call once per pass over `repeats` passes (after a
+    warm-up pass), so that a machine whose speed drifts slows every key alike."""
+    times = {key: [] for key in calls}
+    for repeat in range(repeats + 1):
+        for key, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            if repeat:
+                times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 @torch.no_grad()
@@ -173,16 +176,16 @@ def measure_verify_seconds(target, context_ids: torch.LongTensor, sizes, repeats
     device = target.device
     context_ids = context_ids.to(device)
     past = context_ids.shape[1]
-    results = {}
-    for size in sizes:
+    cache = DynamicCache(config=target.config)
+    target(input_ids=context_ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+    def verify_call(size):
         tree = DraftTree(
             tokens=context_ids[0, -size:].clone() if size <= past else context_ids[0, :1].repeat(size),
             parents=torch.arange(-1, size - 1, device=device),
             depths=torch.arange(size, device=device),
             visible=torch.ones(size, size, dtype=torch.bool, device=device).tril(),
         )
-        cache = DynamicCache(config=target.config)
-        target(input_ids=context_ids, cache=cache, use_cache=True, logits_to_keep=1)
 
         def verify():
             target(input_ids=tree.tokens[None], position_ids=(past + tree.depths)[None],
@@ -190,9 +193,9 @@ def measure_verify_seconds(target, context_ids: torch.LongTensor, sizes, repeats
                    output_hidden_states=-1)
             for layer in cache.layers:  # drop the tree again
                 layer.crop(-size)
+        return verify
 
-        results[size] = _median_seconds(verify, repeats)
-    return results
+    return _interleaved_medians({size: verify_call(size) for size in sizes}, repeats)
 
 
 def _full_tree_tokens(depth: int, top_k: int) -> int:
@@ -213,16 +216,14 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
     session.commit(drafter.target_features(out.hidden_states)[0], context_ids[0, 1:])
     root = context_ids[0, -1]
     deep_vocab = drafter.generation_config.deep_draft_vocab
-    results = {}
-    with drafter.int8_weights(drafter.generation_config.int8_draft_weights):
-        for k in top_ks:
-            for d in depths:
-                def draft():
-                    draft_tree(session, root, d, k, _full_tree_tokens(d, k), deep_vocab)
-                    session.end_round()
+    def draft_call(depth, top_k):
+        def draft():
+            draft_tree(session, root, depth, top_k, _full_tree_tokens(depth, top_k), deep_vocab)
+            session.end_round()
+        return draft
 
-                results[(d, k)] = _median_seconds(draft, repeats)
-    return results
+    with drafter.int8_weights(drafter.generation_config.int8_draft_weights):
+        return _interleaved_medians({(d, k): draft_call(d, k) for k in top_ks for d in depths}, repeats)
 
 
 @torch.no_grad()
@@ -241,31 +242,28 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     # Each width is calibrated with its largest tree (root included); smaller budgets are replayed as cuts of it.
     calibrated_size = {k: min(max(totals), _full_tree_tokens(max_depth, k)) for k in top_ks}
 
-    log("timing plain decoding ...")
+    # Plain decoding and each width's calibration take turns on every prompt, so drift slows them alike.
+    calibrating = {k: drafter.with_generation_config(
+        draft_mode="tree", tree_depth=max_depth, tree_top_k=k, tree_total_tokens=calibrated_size[k],
+        lookup_num_tokens=0, record_round_traces=True) for k in top_ks}
     decode_tokens, decode_seconds = 0, 0.0
-    for ids in prompts:
+    traces: dict[int, list[RoundTrace]] = {k: [] for k in top_ks}
+    round_seconds: dict[int, list[float]] = {k: [] for k in top_ks}
+    for number, ids in enumerate(prompts, start=1):
+        log(f"calibrating on prompt {number} of {len(prompts)}: plain decoding, then top_k {list(top_ks)} "
+            f"(depth {max_depth}, {[calibrated_size[k] for k in top_ks]} tokens) ...")
+        ids = ids.to(target.device)
         start = time.perf_counter()
-        out = target.generate(ids.to(target.device), max_new_tokens=max_new_tokens, do_sample=False)
+        out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
         decode_seconds += time.perf_counter() - start
         decode_tokens += out.shape[1] - ids.shape[1]
-
-    traces: dict[int, list[RoundTrace]] = {}
-    round_seconds: dict[int, list[float]] = {}
-    acceptance: dict[int, list[float]] = {}
-    for k in top_ks:
-        calibrating = drafter.with_generation_config(
-            draft_mode="tree", tree_depth=max_depth, tree_top_k=k, tree_total_tokens=calibrated_size[k],
-            lookup_num_tokens=0, record_round_traces=True,
-        )
-        log(f"calibrating top_k={k} (depth {max_depth}, {calibrated_size[k]} tokens) ...")
-        traces[k], round_seconds[k] = [], []
-        for ids in prompts:
-            stats = target.generate(ids.to(target.device), assistant_model=calibrating, max_new_tokens=max_new_tokens,
+        for k in top_ks:
+            stats = target.generate(ids, assistant_model=calibrating[k], max_new_tokens=max_new_tokens,
                                     do_sample=False, return_dict_in_generate=True).speculative_stats
             traces[k].extend(stats.round_traces)
             round_seconds[k].extend(
                 sum(parts) for parts in zip(stats.draft_seconds, stats.verify_seconds, stats.bookkeeping_seconds))
-        acceptance[k] = _position_acceptance(traces[k], max_depth, calibrated_size[k])
+    acceptance = {k: _position_acceptance(traces[k], max_depth, calibrated_size[k]) for k in top_ks}
 
     budgets = [(d, k, t) for k in top_ks for d in range(1, max_depth + 1)
                for t in sorted({min(t, _full_tree_tokens(d, k)) for t in totals if t >= 2})]
