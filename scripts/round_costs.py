@@ -3,8 +3,9 @@
 Runs the shipped PosS-2 drafter (or `--drafter`) on the default target over chat prompts for several tree budgets
 (without the prompt-lookup branch; a fourth field sets `deep_draft_vocab`) and plain greedy decoding, each prompt
 through plain decoding and then every budget, and prints one row per budget: tau, median draft ms per round and per
-depth, median verify ms and decode steps, median bookkeeping ms, tokens/s and speedup over plain decoding. `--json`
-writes the rows. Greedy, one process, nothing else running:
+level drafted (drafting stops early where deeper nodes could not enter the tree), median verify ms and decode steps,
+median bookkeeping ms, tokens/s and speedup over plain decoding. `--json` writes the rows. Greedy, one process,
+nothing else running:
 
     python scripts/round_costs.py --dtype bfloat16 --threads 2 --prompts ../shared/data/specbench/mt_bench.jsonl
 """
@@ -62,14 +63,15 @@ def main(argv=None) -> int:
     budgets = args.budget or BUDGETS
     views = [drafter.with_generation_config(tree_depth=depth, tree_top_k=top_k, tree_total_tokens=total,
                                             lookup_num_tokens=0, draft_mode="tree", deep_draft_vocab=deep_vocab,
-                                            int8_draft_weights=args.int8_draft_weights)
+                                            int8_draft_weights=args.int8_draft_weights, record_round_traces=True)
              for depth, top_k, total, deep_vocab in budgets]
     generate(prompts[0][:, :16])  # warm-ups
     for view in views:
         generate(prompts[0][:, :16], view)
     # Each prompt runs plain decoding and then every budget, so a drifting machine speed moves them alike.
     decode_times = []
-    found = [{"draft": [], "verify": [], "bookkeeping": [], "lengths": [], "tokens": 0, "seconds": 0.0} for _ in views]
+    found = [{"draft": [], "verify": [], "bookkeeping": [], "lengths": [], "levels": [], "tokens": 0, "seconds": 0.0}
+             for _ in views]
     for ids in prompts:
         out, elapsed = generate(ids)
         decode_times.append(elapsed / (out.sequences.shape[1] - ids.shape[1]))
@@ -80,27 +82,30 @@ def main(argv=None) -> int:
             acc["verify"] += stats.verify_seconds
             acc["bookkeeping"] += stats.bookkeeping_seconds
             acc["lengths"] += stats.acceptance_lengths
+            acc["levels"] += [int(t.candidates.depths.max()) for t in stats.round_traces if t.candidates is not None]
             acc["tokens"] += out.sequences.shape[1] - ids.shape[1]
             acc["seconds"] += elapsed
     decode = statistics.median(decode_times)
     rows = []
     for (depth, top_k, total, deep_vocab), acc in zip(budgets, found):
         draft, verify = statistics.median(acc["draft"]), statistics.median(acc["verify"])
+        levels = statistics.fmean(acc["levels"])
         rows.append({
             "budget": f"{depth}/{top_k}/{total}" + (f"/{deep_vocab}" if deep_vocab else ""),
             "tau": statistics.fmean(acc["lengths"]) + 1,
-            "draft_ms": 1e3 * draft, "draft_ms_per_depth": 1e3 * draft / depth,
+            "draft_ms": 1e3 * draft, "levels_drafted": levels, "draft_ms_per_level": 1e3 * draft / levels,
             "verify_ms": 1e3 * verify, "verify_decode_steps": verify / decode,
             "bookkeeping_ms": 1e3 * statistics.median(acc["bookkeeping"]),
             "tokens_per_s": acc["tokens"] / acc["seconds"], "speedup": acc["tokens"] / acc["seconds"] * decode,
             "rounds": len(acc["lengths"]),
         })
     print(f"plain decoding {decode * 1e3:.1f} ms per token; {len(prompts)} prompts, {args.max_new_tokens} new tokens")
-    print("| depth / top-k / tokens | tau | draft ms per round (per depth) | verify ms (decode steps) | "
+    print("| depth / top-k / tokens | tau | levels drafted | draft ms per round (per level) | verify ms (decode steps) | "
           "bookkeeping ms | tokens/s | speedup |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['budget']} | {r['tau']:.2f} | {r['draft_ms']:.1f} ({r['draft_ms_per_depth']:.2f}) | "
+        print(f"| {r['budget']} | {r['tau']:.2f} | {r['levels_drafted']:.2f} | {r['draft_ms']:.1f} "
+              f"({r['draft_ms_per_level']:.2f}) | "
               f"{r['verify_ms']:.1f} ({r['verify_decode_steps']:.2f}) | {r['bookkeeping_ms']:.2f} | "
               f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
     if args.json:

@@ -333,7 +333,8 @@ class PosSGenerationConfig(GenerationConfig):
     Args:
         draft_mode (`str`): `"tree"` (EAGLE-2 dynamic tree verified in one target forward, default) or `"chain"`
             (one path through transformers' own assisted-generation loop).
-        tree_depth (`int`): draft positions per round.
+        tree_depth (`int`): most draft positions per round; a round drafts fewer levels when deeper nodes could not
+            enter its `tree_total_tokens` best (the tree is the same).
         tree_top_k (`int`): children expanded per node and frontier width per depth.
         tree_total_tokens (`int`): verified tree size, root included.
         lookup_num_tokens (`int`): tree mode: the longest continuation copied from the context (prompt lookup) and
