@@ -104,15 +104,9 @@ def stopping_ranks(candidates) -> list[float]:
     """For each level `j` of a recorded draft, the largest tree budget (draft nodes) that stops drafting after it
     (`level_rank`): how many candidates of depth <= j score at least level j's best; infinite where the recorded
     draft stopped (no level j + 1 was recorded), since a smaller budget stops there too."""
-    last = int(candidates.depths.max())
-    ranks = []
-    for level in range(1, last + 1):
-        if level == last:
-            ranks.append(float("inf"))
-            break
-        scores = candidates.scores[candidates.depths <= level][None]
-        ranks.append(float(level_rank(scores, candidates.scores[candidates.depths == level].max()[None])[0]))
-    return ranks
+    scores, depths = candidates.scores, candidates.depths
+    return [float(level_rank(scores[depths <= level][None], scores[depths == level].max()[None])[0])
+            for level in range(1, int(depths.max()))] + [float("inf")]
 
 
 def drafted_depth(ranks: list[float] | None, depth: int, total_tokens: int) -> int:
