@@ -504,3 +504,33 @@ def test_int8_draft_weights_on_mapped_head_rows(monkeypatch):
                 assert not torch.equal(approximate, exact[:, :vocab])
         torch.testing.assert_close(drafter.logits(features), exact)
     assert 48 in products and 24 in products  # the 48 mapped rows, and the first 24 of them for vocab 40
+
+
+def test_generate_reuses_the_mapped_head_rows_of_the_same_target():
+    """`generate` binds the drafter on every call; the draft-head rows gathered from the target's `lm_head` and their
+    8-bit copy are made once per target (re-gathering and re-packing them cost tens of ms per call), and gathered
+    again for another target or a changed `lm_head` weight."""
+    from transformers_poss import PosSDrafter
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=16).bind_target(target)
+    drafter.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
+    view = drafter.with_generation_config(int8_draft_weights=True, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+    prompt = prompts(count=1)[0]
+    with torch.no_grad():
+        target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                        assistant_model=view)
+        rows, packed = drafter.mapped_head_rows(), drafter.mapped_head_rows(int8=True)
+        for assistant in (view, drafter.with_generation_config(int8_draft_weights=True)):
+            target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                            assistant_model=assistant)
+    assert drafter.mapped_head_rows() is rows and drafter.mapped_head_rows(int8=True) is packed
+    assert view.mapped_head_rows() is rows  # one cache for the drafter and its views
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(2)
+    assert torch.equal(drafter.mapped_head_rows(), 2 * rows)
+    other = tiny_target("llama")
+    drafter.bind_target(other)
+    expected = other.get_output_embeddings().weight[drafter.draft_to_target[16:]]
+    assert torch.equal(drafter.mapped_head_rows(), expected.to(rows.dtype))

@@ -321,6 +321,9 @@ class PosSDrafter(PosSPreTrainedModel):
         else:
             self.draft_to_target = None
         self._bound: dict[str, object] = {}
+        # `mapped_head_rows`' gathered rows, shared with this drafter's views (`with_generation_config`), which
+        # `generate` binds again on every call: the dict is filled in place, never replaced.
+        self._head_rows_cache: dict[str, tuple] = {}
         self.generation_config = PosSGenerationConfig()
         self.training_record: dict = {}
         self.tuning_record: dict = {}
@@ -626,22 +629,23 @@ class PosSDrafter(PosSPreTrainedModel):
 
     def mapped_head_rows(self, int8: bool = False):
         """The target's `lm_head` rows `[Vd - R, H]` of the draft tokens after the drafter's own `R` rows, on the
-        drafter's device and dtype (gathered once per target weight and draft vocabulary, then reused); with `int8`,
-        their `pack_int8` copy (values `[Vd - R, H]`, scales `[Vd - R]`)."""
+        drafter's device and dtype (gathered once per `lm_head` weight and draft vocabulary, then reused by this
+        drafter and its views, call after call); with `int8`, their `pack_int8` copy (values `[Vd - R, H]`, scales
+        `[Vd - R]`)."""
         self._require_bound()
         weight = self._bound["lm_head"].weight
         ids = self.draft_to_target[self.config.own_draft_head_rows:]
         key = (weight.data_ptr(), weight._version, ids.data_ptr(), self.draft_to_target._version,
                self.fc.weight.device, self.fc.weight.dtype)
-        cached = self._bound.get("mapped_rows")
-        if cached is None or cached[0] != key:
+        cached = self._head_rows_cache.get("rows")  # (weight, key, rows, 8-bit copy or None)
+        if cached is None or cached[0] is not weight or cached[1] != key:
             rows = weight.detach()[ids.to(weight.device)].to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
-            cached = self._bound["mapped_rows"] = (key, rows, None)
+            cached = self._head_rows_cache["rows"] = (weight, key, rows, None)
         if not int8:
-            return cached[1]
-        if cached[2] is None:
-            cached = self._bound["mapped_rows"] = (key, cached[1], pack_int8(cached[1]))
-        return cached[2]
+            return cached[2]
+        if cached[3] is None:
+            cached = self._head_rows_cache["rows"] = (*cached[:3], pack_int8(cached[2]))
+        return cached[3]
 
     @contextlib.contextmanager
     def int8_weights(self, enabled: bool = True):
