@@ -359,7 +359,7 @@ def test_export_then_import_gives_identical_drafts(tmp_path, capsys):
     import json
 
     from transformers_poss import cli
-    from transformers_poss.export import export_speculators
+    from transformers_poss.checkpoints.export import export_speculators
 
     target = eagle3_target("llama")
     source = random_eagle3(target, norm_before_residual=True)

@@ -382,7 +382,7 @@ def test_int8_draft_linear_products_and_fallbacks():
     """An 8-bit `DraftLinear` product is within quantization error of the exact one, reads only the first rows when
     asked, follows weight changes, and is exact (the weight itself) with gradients, on more than 4 rows, or when
     off; the module's state is untouched."""
-    from transformers_poss.modeling_poss import DraftLinear
+    from transformers_poss.kernels import DraftLinear
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48)
@@ -413,7 +413,7 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
     """Inference runs specialists through `lean_attention` instead of the transformers attention modules, and a draft
     session reads RoPE rows from a table: the same features with and without a cache (weights perturbed away from their
     initial values, so Qwen2's biases and Qwen3's q/k norms count), and the same draft trees."""
-    from transformers_poss import PosSDrafter, modeling_poss
+    from transformers_poss import PosSDrafter, layers
     from transformers_poss.generation.drafting import DraftSession, draft_tree
 
     extra = {"num_hidden_layers": 8} if family == "eagle3" else {}
@@ -441,14 +441,14 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
         return drafter.run_specialist(0, inputs, positions), torch.cat((first, rest), dim=1), tree
 
     calls = []
-    lean = modeling_poss.lean_attention
-    monkeypatch.setattr(modeling_poss, "lean_attention", lambda *args: calls.append(1) or lean(*args))
+    lean = layers.lean_attention
+    monkeypatch.setattr(layers, "lean_attention", lambda *args: calls.append(1) or lean(*args))
     fast = outputs()
     assert len(calls) >= 6 and drafter._rope_table is not None  # the session's RoPE rows came from the table
     table, computed = drafter._rope_rows(inputs, positions, 40), drafter.rotary_emb(inputs, positions)
     for read, made in zip(table, computed):
         torch.testing.assert_close(read, made, rtol=1e-6, atol=1e-6)
-    monkeypatch.setattr(modeling_poss, "runs_lean", lambda attention: False)
+    monkeypatch.setattr(layers, "runs_lean", lambda attention: False)
     monkeypatch.setattr(drafter, "_rope_table_allowed", False)
     reference = outputs()
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-5, atol=1e-5)
@@ -462,12 +462,12 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
 def test_greedy_identity_with_int8_draft_weights(fitted_pairs, monkeypatch, family, mode):
     """Drafting on 8-bit weight copies (the layers and the mapped draft-head rows) keeps the output identical to
     plain generate, still accepts drafts, and leaves the drafter as it was after the call."""
-    from transformers_poss import modeling_poss
+    from transformers_poss import kernels
 
     target, drafter = fitted_pairs(family)
     products = []
-    product = modeling_poss.int8_product
-    monkeypatch.setattr(modeling_poss, "int8_product", lambda *args: products.append(1) or product(*args))
+    product = kernels.int8_product
+    monkeypatch.setattr(kernels, "int8_product", lambda *args: products.append(1) or product(*args))
     view = drafter.with_generation_config(draft_mode=mode, int8_draft_weights=True)
     accepted = []
     for prompt in prompts(count=3):
@@ -483,7 +483,7 @@ def test_int8_draft_weights_on_mapped_head_rows(monkeypatch):
     """With a draft head that maps most rows from the target's `lm_head`, 8-bit logits of a 4-row frontier stay within
     quantization error of the exact ones, for the whole draft vocabulary and for its first part, and the mapped rows
     themselves were multiplied on 8 bits."""
-    from transformers_poss import PosSDrafter, modeling_poss
+    from transformers_poss import PosSDrafter, kernels
 
     target = tiny_target("llama")
     torch.manual_seed(0)
@@ -492,8 +492,8 @@ def test_int8_draft_weights_on_mapped_head_rows(monkeypatch):
     torch.nn.init.normal_(drafter.draft_head_map.weight)
     features = torch.randn(4, target.config.hidden_size)  # a top-k 4 frontier
     products = []
-    product = modeling_poss.int8_product
-    monkeypatch.setattr(modeling_poss, "int8_product", lambda x, values, scales: products.append(values.shape[0]) or product(x, values, scales))
+    product = kernels.int8_product
+    monkeypatch.setattr(kernels, "int8_product", lambda x, values, scales: products.append(values.shape[0]) or product(x, values, scales))
     with torch.no_grad():
         exact = drafter.logits(features)
         with drafter.int8_weights():

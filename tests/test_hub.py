@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from tiny_models import prompts, tiny_target
 from transformers_poss import PosSConfig, PosSDrafter
-from transformers_poss import cli, hub, research_checkpoint
+from transformers_poss import cli, hub
+from transformers_poss.checkpoints import research as research_checkpoint
 
 VOCAB = 96
 

@@ -168,13 +168,13 @@ def test_poss_tune_refuses_a_deep_draft_vocab_without_a_draft_vocabulary(fitted_
 @pytest.mark.parametrize("int8", [False, True])
 def test_draft_timing_drafts_as_generate_would(fitted_pairs, monkeypatch, int8):
     """`poss tune` times drafting with the drafter's own 8-bit setting (and only then with 8-bit products)."""
-    from transformers_poss import modeling_poss
+    from transformers_poss import kernels
     from transformers_poss.tuning import measure_draft_seconds
 
     target, drafter = fitted_pairs("llama")
     products = []
-    product = modeling_poss.int8_product
-    monkeypatch.setattr(modeling_poss, "int8_product", lambda *args: products.append(1) or product(*args))
+    product = kernels.int8_product
+    monkeypatch.setattr(kernels, "int8_product", lambda *args: products.append(1) or product(*args))
     view = drafter.with_generation_config(int8_draft_weights=int8).bind_target(target)
     seconds = measure_draft_seconds(view, target, prompts()[0], depths=[1, 2], top_ks=[2], repeats=1)
     assert sorted(seconds) == [(1, 2), (2, 2)] and all(s > 0 for s in seconds.values())

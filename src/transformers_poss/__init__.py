@@ -7,7 +7,8 @@ read research checkpoints and `push_to_hub` upload a model card, and installs th
 
 from transformers import AutoConfig, AutoModel
 
-from . import eagle3_checkpoint, hub, research_checkpoint
+from . import hub
+from .checkpoints import eagle3, research
 from .configuration_poss import PosSConfig, PosSGenerationConfig
 from .generation import GenerationStats, PosSCandidateGenerator, PosSGenerateOutput, install_generate_hook
 from .modeling_poss import PosSDrafter, PosSDrafterOutput
@@ -16,7 +17,7 @@ __version__ = "0.1.0"
 
 AutoConfig.register("poss", PosSConfig, exist_ok=True)
 AutoModel.register(PosSConfig, PosSDrafter, exist_ok=True)
-for reader in (eagle3_checkpoint.read_if_eagle3_checkpoint, research_checkpoint.read_if_research_checkpoint):
+for reader in (eagle3.read_if_eagle3_checkpoint, research.read_if_research_checkpoint):
     if reader not in PosSDrafter.checkpoint_readers:  # EAGLE-3 first: its folders are research-like folders too
         PosSDrafter.checkpoint_readers.append(reader)
 PosSDrafter.hub_pusher = hub.push_drafter_to_hub

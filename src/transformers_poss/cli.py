@@ -15,7 +15,7 @@ SUBCOMMAND_MODULES = (
     "transformers_poss.evaluation.compare",
     "transformers_poss.training.cli",
     "transformers_poss.hub",
-    "transformers_poss.export",
+    "transformers_poss.checkpoints.cli",
     "transformers_poss.tuning",
 )
 

@@ -1,4 +1,4 @@
-"""Hub integration: model cards for PosS drafters, pushing with the card, and `poss card` / `poss convert`.
+"""Hub integration: model cards for PosS drafters, pushing with the card, and `poss card`.
 
 **Card.** `render_card` fills the template `transformers_poss/hub_cards/drafter_card.md` (the one copy of the
 template text; the repository's top-level `hub_cards/` points to it) through `huggingface_hub.ModelCard`: YAML
@@ -46,9 +46,8 @@ from pathlib import Path
 import torch
 
 from .configuration_poss import PosSConfig, PosSGenerationConfig
-from .modeling_poss import PosSDrafter, read_drafter_files
-from .eagle3_checkpoint import convert_eagle3_checkpoint, is_eagle3_checkpoint
-from .research_checkpoint import convert_research_checkpoint
+from .checkpoints.native import read_drafter_files
+from .modeling_poss import PosSDrafter
 
 TEMPLATE_NAME = "drafter_card.md"
 LIBRARY_NAME = "transformers-poss"
@@ -369,25 +368,7 @@ def _run_card(args) -> int:
     return 0
 
 
-def _run_convert(args) -> int:
-    overrides = {"target_name_or_path": args.target_name_or_path} if args.target_name_or_path else {}
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    convert = convert_eagle3_checkpoint if is_eagle3_checkpoint(args.source) else convert_research_checkpoint
-    drafter = convert(
-        args.source, args.destination, num_specialists=args.num_specialists,
-        positions_per_specialist=args.positions_per_specialist, target=args.target, overwrite=args.overwrite,
-        dtype=dtype, **overrides,
-    )
-    write_card(drafter, args.destination, overwrite=True, license=args.license)
-    config = drafter.config
-    print(
-        f"wrote {args.destination}: {config.num_specialists} specialist(s), PosS-{config.positions_per_specialist}, "
-        f"target {config.target_name_or_path or 'not recorded (pass --target-name-or-path)'}"
-    )
-    return 0
-
-
-def _guarded(run):
+def guarded(run):
     def wrapped(args) -> int:
         try:
             return run(args)
@@ -399,7 +380,7 @@ def _guarded(run):
 
 
 def add_subcommand(subparsers) -> None:
-    """Register `poss card` and `poss convert`."""
+    """Register `poss card`."""
     card = subparsers.add_parser(
         "card", help="write the model card (README.md) of a drafter folder",
         description="Render the model card of a native PosS drafter folder, optionally with benchmark results.",
@@ -411,24 +392,4 @@ def add_subcommand(subparsers) -> None:
     card.add_argument("--method", action="append", help="benchmark method prefix of this drafter's rows (default poss)")
     card.add_argument("--output", help="where to write (default FOLDER/README.md; '-' prints the card)")
     card.add_argument("--force", action="store_true", help="replace an existing README.md")
-    card.set_defaults(func=_guarded(_run_card))
-
-    convert = subparsers.add_parser(
-        "convert", help="convert an EAGLE/HASS/PosS or EAGLE-3 checkpoint to a native drafter folder",
-        description="Convert a research checkpoint (EAGLE-1/2, HASS, PosS layout) or an EAGLE-3 checkpoint "
-                    "(SafeAILab, SpecForge / SpecBundle, speculators, PosS on EAGLE-3) to a native PosS drafter "
-                    "folder (safetensors, full config.json, model card). See transformers_poss.research_checkpoint "
-                    "and transformers_poss.eagle3_checkpoint.",
-    )
-    convert.add_argument("source", help="research checkpoint folder or Hub repo id")
-    convert.add_argument("destination", help="output folder (absent or empty)")
-    convert.add_argument("--num-specialists", type=int, help="PosS layers (not recorded by PosS checkpoints)")
-    convert.add_argument("--positions-per-specialist", type=int, help="the k of PosS-k")
-    convert.add_argument("--target", help="local target model folder: check its embedding equals the stored one "
-                         "(and, for EAGLE-3, give its depth for the default fused layers)")
-    convert.add_argument("--target-name-or-path", help="the target's Hub id, recorded in config and card")
-    convert.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
-                         help="weights dtype (default: the checkpoint's)")
-    convert.add_argument("--license", default=DEFAULT_LICENSE, help=f"card license (default {DEFAULT_LICENSE})")
-    convert.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
-    convert.set_defaults(func=_guarded(_run_convert))
+    card.set_defaults(func=guarded(_run_card))

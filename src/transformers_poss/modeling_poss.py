@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import inspect
 import json
 from dataclasses import dataclass
@@ -22,183 +21,19 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
-from transformers.utils import GENERATION_CONFIG_NAME, ModelOutput
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.utils import ModelOutput
 
-from .configuration_poss import FAMILY_CLASSES, LEGACY_RECORD_KEYS, PosSConfig, PosSGenerationConfig
-
-
-def family_classes(model_type: str) -> tuple[type[nn.Module], type[nn.Module]]:
-    """The transformers decoder-layer and rotary-embedding classes of a target family."""
-    if model_type not in FAMILY_CLASSES:
-        raise ValueError(f"PosS drafters support target families {tuple(FAMILY_CLASSES)}, not {model_type!r}")
-    module_name, layer_name, rotary_name = FAMILY_CLASSES[model_type]
-    module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    return getattr(module, layer_name), getattr(module, rotary_name)
-
-
-def softcap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma-style final-logit soft-capping `tanh(logits / c) * c` (unchanged when `softcap` is None or 0)."""
-    return torch.tanh(logits / softcap) * softcap if softcap else logits
-
-
-def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """A causal LM's logits from its final hidden states `[..., H] -> [..., V]`: its output embeddings, then its
-    final-logit soft-capping when the family has one (Gemma)."""
-    lm_head = model.get_output_embeddings()
-    logits = lm_head(hidden.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype))
-    return softcap_logits(logits, getattr(model.config.get_text_config(), "final_logit_softcapping", None))
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool mask `[q, k]` (True = attend) -> additive float mask `[1, 1, q, k]` (right for eager and sdpa)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-def causal_allowed(query_len: int, past_len: int, device) -> torch.Tensor:
-    """Bool mask `[query_len, past_len + query_len]`: each query sees the past and itself and earlier queries."""
-    keys = torch.arange(past_len + query_len, device=device)
-    queries = torch.arange(query_len, device=device) + past_len
-    return keys[None, :] <= queries[:, None]
-
-
-def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An 8-bit copy of a weight `[out, in]`: int8 values `[out, in]` and one scale per row `[out]` (in the weight's
-    dtype), `weight ~= values * scales[:, None]` (symmetric, the row's largest magnitude maps to 127)."""
-    full = weight.detach().float()
-    scales = full.abs().amax(dim=1).clamp(min=1e-12) / 127
-    values = torch.round(full / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return values, scales.to(weight.dtype)
-
-
-def int8_product(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`x @ (values * scales[:, None]).T`, `[..., in] -> [..., out]` in `scales`' dtype (CPU; `in` a multiple of 16)."""
-    flat = x.reshape(-1, x.shape[-1]).to(scales.dtype).contiguous()
-    return torch._weight_int8pack_mm(flat, values, scales).reshape(*x.shape[:-1], values.shape[0])
-
-
-INT8_MAX_ROWS = 4  # above this many input rows the 8-bit kernel is slower than the 16-bit product on this CPU
-
-
-def runs_int8(x: torch.Tensor, in_features: int) -> bool:
-    """Whether `int8_product` should take inputs `x [..., in_features]`: on the CPU, no gradient, `in_features` a
-    multiple of 16 (the kernel's 16-bit path reads the weight in blocks of 16), and at most `INT8_MAX_ROWS` rows (a
-    draft depth's frontier; the kernel does not block larger products as a GEMM does)."""
-    return (x.device.type == "cpu" and in_features % 16 == 0 and x.numel() <= INT8_MAX_ROWS * in_features
-            and not torch.is_grad_enabled())
-
-
-class DraftLinear(nn.Linear):
-    """The drafter's `nn.Linear`. While `int8` is set (`PosSDrafter.int8_weights`) it multiplies with an 8-bit copy of
-    its weight where `runs_int8` allows, made on first use and again whenever the weight changes; the weight itself,
-    training and the saved state are untouched."""
-
-    int8 = False
-
-    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        """`[..., in] -> [..., out]`, or only the first `rows` outputs (without reading the other weight rows)."""
-        if not (self.int8 and runs_int8(x, self.in_features)):
-            weight = self.weight if rows is None else self.weight[:rows]
-            bias = self.bias if self.bias is None or rows is None else self.bias[:rows]
-            return nn.functional.linear(x, weight, bias)
-        values, scales = self.int8_copy()
-        if rows is not None:
-            values, scales = values[:rows], scales[:rows]
-        out = int8_product(x, values, scales)
-        if self.bias is not None:
-            out = out + (self.bias if rows is None else self.bias[:rows])
-        return out
-
-    def int8_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """`pack_int8(self.weight)`, cached while the weight is unchanged."""
-        key = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
-        cached = self.__dict__.get("_int8_copy")
-        if cached is None or cached[0] != key:
-            cached = self.__dict__["_int8_copy"] = (key, *pack_int8(self.weight))
-        return cached[1], cached[2]
-
-
-# Families whose attention modules compute exactly `lean_attention` (projections with optional bias, Qwen3's per-head
-# q/k norms, rotary embedding over the whole head, scaled dot-product attention with an additive mask).
-LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-LEAN_IMPLEMENTATIONS = ("eager", "sdpa")  # the attention implementations `lean_attention` stands in for
-
-
-def runs_lean(attention: nn.Module) -> bool:
-    """Whether inference may take `lean_attention` for this attention module (no gradient, an eager or SDPA one)."""
-    return not torch.is_grad_enabled() and attention.config._attn_implementation in LEAN_IMPLEMENTATIONS
-
-
-def lean_attention(attention: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                   mask: torch.Tensor, cache) -> torch.Tensor:
-    """What a `LEAN_FAMILIES` attention module computes, with fewer framework calls (draft depths are small, so
-    the calls cost more than the arithmetic): `hidden [B, q, H_in]`, cos/sin `[B, q, D]`, additive `mask
-    [B, 1, q, k]`, `cache` updated at layer `attention.layer_idx` (or None) -> `[B, q, H]`."""
-    B, q = hidden.shape[:2]
-    heads = (B, q, -1, attention.head_dim)
-    query = attention.q_proj(hidden).view(heads)
-    key = attention.k_proj(hidden).view(heads)
-    value = attention.v_proj(hidden).view(heads).transpose(1, 2)
-    if hasattr(attention, "q_norm"):  # Qwen3
-        query, key = attention.q_norm(query), attention.k_norm(key)
-    query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
-    if cache is not None:
-        key, value = cache.update(key, value, attention.layer_idx)
-    groups = query.shape[1] // key.shape[1]
-    native_groups = query.device.type == "cpu"  # elsewhere masked grouped-query attention takes the math kernel
-    if groups > 1 and not native_groups:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    attended = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[..., : key.shape[-2]],
-                                                          scale=attention.scaling,
-                                                          enable_gqa=groups > 1 and native_groups)
-    return attention.o_proj(attended.transpose(1, 2).reshape(B, q, -1))
-
-
-class Eagle3DecoderLayer(nn.Module):
-    """An EAGLE-3 specialist: layer inputs `[B, S, 2H]` = `concat(embedding, hidden)` -> features `[B, S, H]`.
-
-    Attention reads `concat(input_layernorm(embedding), hidden_norm(hidden))` (its q/k/v projections take 2H) and
-    adds its output to the residual `hidden` (`hidden_norm(hidden)` with `norm_before_residual`); then the Llama MLP
-    block (`post_attention_layernorm`, `mlp`, residual). Submodule names are the references' (`midlayer.*` in
-    SafeAILab/SpecForge checkpoints, `layers.0.*` in speculators ones).
-    """
-
-    def __init__(self, config: PretrainedConfig, layer_idx: int, norm_before_residual: bool = False):
-        super().__init__()
-        hidden = config.hidden_size
-        self.hidden_size = hidden
-        self.norm_before_residual = norm_before_residual
-        self.self_attn = LlamaAttention(config, layer_idx)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            narrow = getattr(self.self_attn, name)
-            setattr(self.self_attn, name, nn.Linear(2 * hidden, narrow.out_features, bias=narrow.bias is not None))
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
-
-    def attention_inputs(self, layer_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[..., 2H]` layer inputs -> (attention input `[..., 2H]`, residual `[..., H]`)."""
-        embeds, hidden = layer_inputs.split(self.hidden_size, dim=-1)
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.norm_before_residual else hidden
-        return torch.cat((self.input_layernorm(embeds), normed), dim=-1), residual
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
-                use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
-        """`hidden_states`: the layer inputs `[B, S, 2H]`; the other arguments as for a transformers decoder layer."""
-        attention_input, residual = self.attention_inputs(hidden_states)
-        if attention_mask is not None and runs_lean(self.self_attn):
-            attended = lean_attention(self.self_attn, attention_input, position_embeddings, attention_mask, cache)
-        else:
-            attended, _ = self.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
-                                         attention_mask=attention_mask, cache=cache, **kwargs)
-        hidden = residual + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+from .checkpoints.native import HUB_KWARGS, read_drafter_files
+from .configuration_poss import LEGACY_RECORD_KEYS, PosSConfig, PosSGenerationConfig
+from . import kernels, layers
+from .kernels import DraftLinear, pack_int8, runs_int8
+from .layers import (
+    LEAN_FAMILIES, Eagle3DecoderLayer, additive_mask, cache_length, causal_allowed, family_classes, output_logits,
+    select_hidden_states,
+)
 
 
 @dataclass
@@ -576,8 +411,8 @@ class PosSDrafter(PosSPreTrainedModel):
         else:
             position_embeddings = self.rotary_emb(layer_inputs, position_ids)
         layer, attention_mask = self.specialists[specialist], attention_mask.to(layer_inputs.dtype)
-        if self._lean_layers and runs_lean(layer.self_attn):
-            hidden = layer_inputs + lean_attention(layer.self_attn, layer.input_layernorm(layer_inputs),
+        if self._lean_layers and layers.runs_lean(layer.self_attn):
+            hidden = layer_inputs + layers.lean_attention(layer.self_attn, layer.input_layernorm(layer_inputs),
                                                    position_embeddings, attention_mask, cache)
             return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return layer(
@@ -617,7 +452,7 @@ class PosSDrafter(PosSPreTrainedModel):
             mapped_features, mapped_bias = mapped[..., :-1], mapped[..., -1:]
             if self._int8_head and runs_int8(mapped_features, mapped_features.shape[-1]):
                 values, scales = self.mapped_head_rows(int8=True)
-                mapped_logits = int8_product(mapped_features, values[:count], scales[:count])
+                mapped_logits = kernels.int8_product(mapped_features, values[:count], scales[:count])
             else:
                 rows = self.mapped_head_rows()[:count]  # [Vd - R, H] or the first `count`
                 mapped_logits = torch.matmul(mapped_features, rows.T)
@@ -652,15 +487,15 @@ class PosSDrafter(PosSPreTrainedModel):
         """Within the block, inference on the CPU multiplies with 8-bit copies of the drafter's weights (its linear
         layers, `DraftLinear`, and the mapped draft-head rows); what was set before is restored after it. The
         generation hook enters it for `generation_config.int8_draft_weights`."""
-        layers = [module for module in self.modules() if isinstance(module, DraftLinear)]
-        previous = [layer.int8 for layer in layers], self._int8_head
-        for layer in layers:
+        linears = [module for module in self.modules() if isinstance(module, DraftLinear)]
+        previous = [layer.int8 for layer in linears], self._int8_head
+        for layer in linears:
             layer.int8 = enabled
         self._int8_head = enabled
         try:
             yield self
         finally:
-            for layer, state in zip(layers, previous[0]):
+            for layer, state in zip(linears, previous[0]):
                 layer.int8 = state
             self._int8_head = previous[1]
 
@@ -698,40 +533,3 @@ class PosSDrafter(PosSPreTrainedModel):
         return PosSDrafterOutput(
             features=predicted, logits=self.logits(predicted) if return_logits else None, cache=cache
         )
-
-
-HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder")
-
-
-def read_drafter_files(name_or_path, **hub_kwargs) -> tuple[PosSGenerationConfig, dict[str, dict]]:
-    """A native drafter folder's (or Hub repo's) generation config and records: `(generation_config,
-    {"training_record": {...}, "tuning_record": {...}})`, from `generation_config.json`, `training_record.json` and
-    `tuning_record.json`, or, for folders saved before those files existed, from `config.json`."""
-    from transformers.utils import cached_file
-
-    def read_json(name: str) -> dict | None:
-        path = cached_file(str(name_or_path), name, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-        return json.loads(Path(path).read_text(encoding="utf-8")) if path else None
-
-    legacy = read_json("config.json") or {}
-    generation = read_json(GENERATION_CONFIG_NAME)
-    generation_config = (PosSGenerationConfig.from_dict(generation) if generation is not None
-                         else PosSGenerationConfig.from_legacy_config(legacy))
-    records = {}
-    for key in LEGACY_RECORD_KEYS:
-        record = read_json(f"{key}.json")
-        records[key] = record if record is not None else dict(legacy.get(key) or {})
-    return generation_config, records
-
-
-def select_hidden_states(hidden_states: tuple[torch.Tensor | None, ...], layers: list[int]) -> torch.Tensor:
-    """The `layers` of a target forward's `hidden_states` (run with `output_hidden_states=layers`, the final one
-    last), `[B, S, H]` each, concatenated to `[B, S, len(layers) * H]`."""
-    return hidden_states[-1] if len(layers) == 1 else torch.cat([hidden_states[i] for i in layers], dim=-1)
-
-
-def cache_length(cache: DynamicCache | None, layer: int) -> int:
-    """Number of positions cached in `layer` of `cache` (0 when absent)."""
-    if cache is None or layer >= len(cache.layers):
-        return 0
-    return cache.layers[layer].get_seq_length()

@@ -22,7 +22,7 @@ import transformers_poss.generation.drafting as drafting
 from transformers_poss import PosSDrafter
 from transformers_poss.assets import default_drafter_path, load_default_target
 from transformers_poss.evaluation.prompts import chat_prompt, load_prompt_sets
-from transformers_poss.modeling_poss import DraftLinear
+from transformers_poss.kernels import DraftLinear
 
 
 def timed(owner, name, totals, counts, label=None):

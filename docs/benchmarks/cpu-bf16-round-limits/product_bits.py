@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from transformers_poss.modeling_poss import int8_product, pack_int8
+from transformers_poss.kernels import int8_product, pack_int8
 
 GROUP = 32
 

@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from ..modeling_poss import PosSDrafter, additive_mask, output_logits
+from ..layers import additive_mask, output_logits
+from ..modeling_poss import PosSDrafter
 from .drafting import DraftSession, DraftTree, draft_tree, graft_branch, lookup_continuation
 from .stats import GenerationStats, PosSGenerateOutput, RoundTrace
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..modeling_poss import select_hidden_states
+from ..layers import select_hidden_states
 
 MANIFEST = "features.json"
 

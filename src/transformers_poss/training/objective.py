@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..modeling_poss import PosSDrafter, additive_mask, softcap_logits
+from ..layers import additive_mask, softcap_logits
+from ..modeling_poss import PosSDrafter
 
 EAGLE3_STEP_DECAY = 0.8  # EAGLE-3's weight of unroll step j is 0.8 ** j
 

@@ -1,7 +1,7 @@
 """`poss export`: write a drafter in a format an inference engine serves.
 
 **`--format speculators`** (what vLLM loads with `--speculative-config '{"model": DST, ...}'`; the layout is read
-back by `PosSDrafter.from_pretrained`, see `eagle3_checkpoint`): `config.json` with `speculators_model_type: "eagle3"`,
+back by `PosSDrafter.from_pretrained`, see `checkpoints.eagle3`): `config.json` with `speculators_model_type: "eagle3"`,
 `architectures: ["Eagle3Speculator"]`, `transformer_layer_config` (the specialist's Llama config, one layer, the
 target vocabulary), `draft_vocab_size`, `norm_before_residual` (always written: vLLM assumes `true` when it is absent,
 speculators `false`), `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (the fused target states) and
@@ -21,13 +21,12 @@ EAGLE-3 drafter gets, not what PosS gets. Only EAGLE-3 drafters (`drafter_type="
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-from .modeling_poss import PosSDrafter
+from ..modeling_poss import PosSDrafter
 
 EXPORT_FORMATS = ("speculators",)
 SPECULATORS_VERSION = "0.3.0"
@@ -119,37 +118,3 @@ def export_speculators(drafter: PosSDrafter, destination, first_specialist: bool
     text = json.dumps(speculators_config(drafter, verifier, architectures), indent=2, sort_keys=True) + "\n"
     (destination / "config.json").write_text(text, encoding="utf-8")
     return destination
-
-
-# ---- `poss export` ----------------------------------------------------------------------------------------------
-def _run_export(args) -> int:
-    try:
-        drafter = PosSDrafter.from_pretrained(args.source)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            export_speculators(drafter, args.destination, first_specialist=args.first_specialist,
-                               verifier=args.verifier, overwrite=args.overwrite)
-        for warning in caught:
-            print(f"poss export: warning: {warning.message}", file=sys.stderr)
-    except ValueError as error:
-        print(f"poss export: error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.destination} ({args.format})")
-    return 0
-
-
-def add_subcommand(subparsers) -> None:
-    """Register `poss export`."""
-    parser = subparsers.add_parser(
-        "export", help="write a drafter in an inference engine's format (speculators, served by vLLM)",
-        description="Export a drafter for an inference engine. See transformers_poss.export for the format and why "
-                    "drafters with several position specialists are refused unless --first-specialist.",
-    )
-    parser.add_argument("--format", choices=EXPORT_FORMATS, default="speculators", help="output format")
-    parser.add_argument("source", help="drafter folder or Hub repo id (any layout PosSDrafter.from_pretrained reads)")
-    parser.add_argument("destination", help="output folder (absent or empty)")
-    parser.add_argument("--first-specialist", action="store_true",
-                        help="export specialist 0 of a multi-specialist drafter (with a warning) instead of refusing")
-    parser.add_argument("--verifier", help="the target's Hub id (default: the drafter's target_name_or_path)")
-    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
-    parser.set_defaults(func=_run_export)

@@ -54,10 +54,11 @@ from pathlib import Path
 
 import torch
 
-from .configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig, PosSGenerationConfig
-from .modeling_poss import HUB_KWARGS, PosSDrafter
-from .research_checkpoint import (
-    _GENERATION_OVERRIDES, HUB_KWARGS, _LOAD_KWARGS, ResearchCheckpoint, _read_config, check_embedding_matches,
+from ..configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig, PosSGenerationConfig
+from ..modeling_poss import PosSDrafter
+from .native import HUB_KWARGS
+from .research import (
+    _GENERATION_OVERRIDES, _LOAD_KWARGS, ResearchCheckpoint, _read_config, check_embedding_matches,
     read_research_checkpoint, target_input_embedding, tensor_problems,
 )
 

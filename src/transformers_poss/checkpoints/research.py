@@ -39,7 +39,7 @@
    weights came from.
 
 EAGLE-3 layouts (SafeAILab, SpecForge / SpecBundle, speculators, PosS on EAGLE-3) have their own reader and layout
-table, with the reference sources: `transformers_poss.eagle3_checkpoint`.
+table, with the reference sources: `transformers_poss.checkpoints.eagle3`.
 
 Safety: `pytorch_model.bin` is read with `torch.load(weights_only=True)` only; a pickle that needs anything but
 tensors is refused. Missing, extra or mis-shaped weights are a `ValueError` listing the keys, never a partial load.
@@ -56,8 +56,9 @@ from pathlib import Path
 
 import torch
 
-from .configuration_poss import PosSConfig, PosSGenerationConfig
-from .modeling_poss import HUB_KWARGS, PosSDrafter
+from ..configuration_poss import PosSConfig, PosSGenerationConfig
+from ..modeling_poss import PosSDrafter
+from .native import HUB_KWARGS
 
 RESEARCH_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 RESEARCH_LAYOUT_NAMES = ("EAGLE-1/2", "HASS", "PosS")
@@ -258,7 +259,7 @@ def check_research_weights(checkpoint: ResearchCheckpoint, config: PosSConfig) -
     if any(k.startswith("midlayer.") for k in state) or {"d2t", "t2d"} & set(state):
         raise ValueError(
             f"{checkpoint.source} looks like an EAGLE-3 checkpoint (midlayer / d2t / t2d) whose config.json has no "
-            "draft_vocab_size: add it (the rows of lm_head.weight) so the EAGLE-3 reader (eagle3_checkpoint) takes it"
+            "draft_vocab_size: add it (the rows of lm_head.weight) so the EAGLE-3 reader (`checkpoints.eagle3`) takes it"
         )
     if any(k.startswith("model.layers.") for k in state):
         raise ValueError(f"{checkpoint.source} looks like a full causal LM (keys 'model.layers.*'), not a drafter")

@@ -1,0 +1,67 @@
+"""CPU kernels for drafting: products with 8-bit copies of the drafter's weights (`DraftLinear`).
+
+A draft depth multiplies a handful of rows (its frontier) by every weight of a specialist and the draft head, so it
+streams weights: 8-bit copies halve the bytes read. `PosSDrafter.int8_weights` switches them on; the weights
+themselves, training and the saved state are untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An 8-bit copy of a weight `[out, in]`: int8 values `[out, in]` and one scale per row `[out]` (in the weight's
+    dtype), `weight ~= values * scales[:, None]` (symmetric, the row's largest magnitude maps to 127)."""
+    full = weight.detach().float()
+    scales = full.abs().amax(dim=1).clamp(min=1e-12) / 127
+    values = torch.round(full / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return values, scales.to(weight.dtype)
+
+
+def int8_product(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`x @ (values * scales[:, None]).T`, `[..., in] -> [..., out]` in `scales`' dtype (CPU; `in` a multiple of 16)."""
+    flat = x.reshape(-1, x.shape[-1]).to(scales.dtype).contiguous()
+    return torch._weight_int8pack_mm(flat, values, scales).reshape(*x.shape[:-1], values.shape[0])
+
+
+INT8_MAX_ROWS = 4  # above this many input rows the 8-bit kernel is slower than the 16-bit product on this CPU
+
+
+def runs_int8(x: torch.Tensor, in_features: int) -> bool:
+    """Whether `int8_product` should take inputs `x [..., in_features]`: on the CPU, no gradient, `in_features` a
+    multiple of 16 (the kernel's 16-bit path reads the weight in blocks of 16), and at most `INT8_MAX_ROWS` rows (a
+    draft depth's frontier; the kernel does not block larger products as a GEMM does)."""
+    return (x.device.type == "cpu" and in_features % 16 == 0 and x.numel() <= INT8_MAX_ROWS * in_features
+            and not torch.is_grad_enabled())
+
+
+class DraftLinear(nn.Linear):
+    """The drafter's `nn.Linear`. While `int8` is set (`PosSDrafter.int8_weights`) it multiplies with an 8-bit copy of
+    its weight where `runs_int8` allows, made on first use and again whenever the weight changes; the weight itself,
+    training and the saved state are untouched."""
+
+    int8 = False
+
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """`[..., in] -> [..., out]`, or only the first `rows` outputs (without reading the other weight rows)."""
+        if not (self.int8 and runs_int8(x, self.in_features)):
+            weight = self.weight if rows is None else self.weight[:rows]
+            bias = self.bias if self.bias is None or rows is None else self.bias[:rows]
+            return nn.functional.linear(x, weight, bias)
+        values, scales = self.int8_copy()
+        if rows is not None:
+            values, scales = values[:rows], scales[:rows]
+        out = int8_product(x, values, scales)
+        if self.bias is not None:
+            out = out + (self.bias if rows is None else self.bias[:rows])
+        return out
+
+    def int8_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pack_int8(self.weight)`, cached while the weight is unchanged."""
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
+        cached = self.__dict__.get("_int8_copy")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_int8_copy"] = (key, *pack_int8(self.weight))
+        return cached[1], cached[2]
