@@ -6,9 +6,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from test_sampling import ALPHA, NEW_TOKENS, SAMPLES, _exact_marginals, _p_values, _wrong_accept_sampling
-from test_sampling import setup as sampling_setup  # noqa: F401 (the fixture: a tiny target and its drafters)
+from test_sampling import setup as sampling_setup  # noqa: F401 (the fixture: a tiny target and its drafter)
 from tiny_models import DEVICE, FAMILIES, prompts
-from transformers_poss.generation import batch_decoding
+from transformers_poss.generation import acceptance, cache_surgery, decoding, verification
 
 
 def left_padded(rows: list[torch.LongTensor], pad_token_id: int = 0) -> dict:
@@ -64,9 +64,9 @@ def test_cache_holes_left_or_realigned_give_the_same_rows(fitted_pairs, monkeypa
     """Rows that accept fewer tokens than the longest path leave holes in the cache; re-aligning them away after
     every round, now and then, or never must not change a token."""
     target, drafter = fitted_pairs("mistral")
-    monkeypatch.setattr(batch_decoding, "MAX_HOLES", max_holes)
-    realign, calls = batch_decoding._realign, []
-    monkeypatch.setattr(batch_decoding, "_realign", lambda cache, valid: calls.append(1) or realign(cache, valid))
+    monkeypatch.setattr(decoding, "MAX_HOLES", max_holes)
+    realign, calls = cache_surgery.realign, []
+    monkeypatch.setattr(decoding, "realign", lambda cache, valid: calls.append(1) or realign(cache, valid))
     _check_batch(target, drafter.with_generation_config(draft_mode="tree"), _batch_rows(), max_new_tokens=30)
     assert (len(calls) > 0) == (max_holes < 10_000), calls
 
@@ -91,7 +91,7 @@ def test_batch_budgets_with_and_without_the_lookup_branch(fitted_pairs, budget, 
 def test_batch_with_every_tree_row_projected_in_the_forward(fitted_pairs, monkeypatch):
     """The 16-bit / accelerator rule (every node's logits from the verification forward), forced in fp32."""
     target, drafter = fitted_pairs("gemma3")
-    monkeypatch.setattr(batch_decoding, "keeps_every_tree_row", lambda model: True)
+    monkeypatch.setattr(verification, "keeps_every_tree_row", lambda model: True)
     _check_batch(target, drafter.with_generation_config(draft_mode="tree"), _batch_rows(), max_new_tokens=20)
 
 
@@ -173,10 +173,10 @@ def _batch_samples(target, drafter, rows, temperature):
 def test_batch_sampling_keeps_each_rows_distribution(sampling_setup, monkeypatch, rule, should_pass):
     """Two rows of a batch (the shorter one left-padded), each checked against its own exact marginals; the same
     test fails when the acceptance rule is wrong."""
-    target, drafters, prompt = sampling_setup
-    drafter = drafters[None].with_generation_config(draft_mode="tree")
+    target, drafter, prompt = sampling_setup
+    drafter = drafter.with_generation_config(draft_mode="tree")
     if rule == "wrong":
-        monkeypatch.setattr(batch_decoding, "_accept_sampling", _wrong_accept_sampling)
+        monkeypatch.setattr(acceptance, "accept_sampling", _wrong_accept_sampling)
     temperature = 0.7
     rows = [prompt, torch.tensor([[6, 0, 5]], device=DEVICE)]
     samples, accepted = _batch_samples(target, drafter, rows, temperature)

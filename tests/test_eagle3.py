@@ -108,7 +108,7 @@ def test_eagle3_unrolled_steps_equal_inference_drafting(num_specialists, k):
         predictions = unrolled_forward(drafter, ids, features, depth)
     seen = []
     original_logits = drafter.logits
-    drafter.logits = lambda feats, vocab=None: (seen.append(feats.clone()), original_logits(feats, vocab))[1]
+    drafter.logits = lambda feats: (seen.append(feats.clone()), original_logits(feats))[1]
     max_error, compared = 0.0, 0
     try:
         for S in range(1, ids.shape[1] - depth):
@@ -378,7 +378,7 @@ def test_export_then_import_gives_identical_drafts(tmp_path, capsys):
     poss.config.target_name_or_path = "org/tiny-target"
     poss.save_pretrained(tmp_path / "poss")
     assert cli.main(["export", "--format", "speculators", str(tmp_path / "poss"), str(tmp_path / "refused")]) == 2
-    assert "no inference engine drafts with one layer per group" in capsys.readouterr().err
+    assert "no place for one layer per group of positions" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="specialist 0 of 2"):
         export_speculators(poss, tmp_path / "first", first_specialist=True)
     first = PosSDrafter.from_pretrained(tmp_path / "first").bind_target(target)

@@ -220,10 +220,10 @@ def test_verification_projects_only_the_rows_acceptance_visits(monkeypatch, fami
     """In fp32 on a CPU tree mode projects `lm_head` rows for the accepted path and the next token only, not for
     every tree node (Gemma's final soft-capping applied to them as the model would); the rule is forced, so the
     path is checked on any device."""
-    from transformers_poss.generation import tree_decoding
+    from transformers_poss.generation import verification
 
     target = tiny_target(family, **overrides)
-    monkeypatch.setattr(tree_decoding, "keeps_every_tree_row", lambda model: False)  # the CPU fp32 rule, anywhere
+    monkeypatch.setattr(verification, "keeps_every_tree_row", lambda model: False)  # the CPU fp32 rule, anywhere
     for rows, stats in _lm_head_rows_per_run(target, _drafter_with_own_head(target)):
         # The prefill keeps one row; each round projects one row per accepted draft plus the target's next token.
         assert sum(rows) == 1 + sum(a + 1 for a in stats.acceptance_lengths)
@@ -234,13 +234,13 @@ def test_verification_projects_only_the_rows_acceptance_visits(monkeypatch, fami
 def test_verification_projecting_every_tree_row_in_one_pass(monkeypatch, family, overrides):
     """In 16-bit or on an accelerator verification keeps every tree node's logits from its forward: one `lm_head`
     pass per round, the same greedy output (checked in fp32 with the rule forced)."""
-    from transformers_poss.generation import tree_decoding
+    from transformers_poss.generation import verification
 
     target = tiny_target(family, **overrides)
     # fp32 on a CPU: rows are projected as visited; on an accelerator every row is kept.
-    assert tree_decoding.keeps_every_tree_row(target) == (target.device.type != "cpu")
-    assert tree_decoding.keeps_every_tree_row(copy.deepcopy(target).to(torch.bfloat16))
-    monkeypatch.setattr(tree_decoding, "keeps_every_tree_row", lambda model: True)
+    assert verification.keeps_every_tree_row(target) == (target.device.type != "cpu")
+    assert verification.keeps_every_tree_row(copy.deepcopy(target).to(torch.bfloat16))
+    monkeypatch.setattr(verification, "keeps_every_tree_row", lambda model: True)
     for rows, stats in _lm_head_rows_per_run(target, _drafter_with_own_head(target)):
         assert rows == [1] + stats.tree_sizes  # the prefill's last row, then one pass over each round's tree
 
@@ -315,72 +315,29 @@ def test_greedy_identity_with_fused_target_layers(fitted_pairs, family, mode):
     assert sum(seen) / len(seen) >= 1.2, seen
 
 
-def test_deep_draft_vocab_logits_are_the_first_columns():
-    """`logits(features, vocab)` equals the first `vocab` columns of the full draft logits, whether they end inside
-    the drafter's own head rows or inside the rows mapped from the target's `lm_head`."""
+def test_removed_generation_settings_are_refused_with_where_they_went(fitted_pairs, tmp_path):
+    """`deep_draft_vocab` and `record_round_traces` left the generation config, `int8_draft_weights` became a kernel
+    setting: asking for them names where they went; a folder saved with them still loads (int8 kept, before any work)."""
+    import json
+
     from transformers_poss import PosSDrafter
 
-    target = tiny_target("llama")
-    torch.manual_seed(0)
-    for rows in (None, 16):
-        drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=rows)
-        drafter.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
-        torch.nn.init.normal_(drafter.draft_head_map.weight) if drafter.draft_head_map is not None else None
-        features = torch.randn(3, target.config.hidden_size)
-        full = drafter.logits(features)
-        for vocab in (1, 10, 16, 40, 64, 500):
-            torch.testing.assert_close(drafter.logits(features, vocab), full[:, : min(vocab, 64)])
-    with pytest.raises(ValueError, match="reduced draft vocabulary"):
-        PosSDrafter.from_target(target).logits(features, 10)
-
-
-@pytest.mark.parametrize("mode", ["tree", "chain"])
-def test_greedy_identity_with_a_smaller_deep_draft_vocab(mode):
-    """Positions past the first draft from the first `deep_draft_vocab` tokens only; the output stays identical to
-    plain generate, and every deeper candidate comes from those tokens."""
-    target = tiny_target("llama")
-    drafter = _drafter_with_own_head(target)
-    vocab = target.config.vocab_size // 3
-    view = drafter.with_generation_config(draft_mode=mode, deep_draft_vocab=vocab, record_round_traces=True)
-    asked = []
-    full_logits = view.logits
-    view.logits = lambda features, vocab=None: asked.append(vocab) or full_logits(features, vocab)
-    allowed = set(drafter.draft_to_target[:vocab].tolist())
-    accepted = []
-    for prompt in prompts(count=3):
-        reference, speculative, stats = _generate_both(target, view, prompt, max_new_tokens=30)
-        assert torch.equal(reference, speculative)
-        accepted += stats.acceptance_lengths
-        for trace in stats.round_traces or []:
-            if trace.candidates is None:  # a root-only round
-                continue
-            deep = trace.candidates.tokens[trace.candidates.depths > 1]
-            assert set(deep.tolist()) <= allowed
-    assert max(accepted) > 1  # deeper drafts were accepted too
-    assert set(asked) == {None, vocab}  # position 1 over the whole draft vocabulary, later ones over the first part
-    if mode == "tree":
-        assert stats.round_traces, "tree mode records its rounds"
-
-
-def test_deep_draft_vocab_is_checked_before_any_work(fitted_pairs):
-    target, drafter = fitted_pairs("llama")  # drafts over the target's whole vocabulary
-    calls = []
-    handle = target.register_forward_hook(lambda *args: calls.append(1))
-    try:
-        with pytest.raises(ValueError, match="reduced draft vocabulary"):
-            target.generate(prompts()[0], max_new_tokens=5, assistant_model=drafter.with_generation_config(
-                deep_draft_vocab=8))
-    finally:
-        handle.remove()
-    assert not calls
-    for bad in (0, -3, 2.5, "8"):
-        with pytest.raises(ValueError, match="deep_draft_vocab"):
-            drafter.with_generation_config(deep_draft_vocab=bad)
+    target, drafter = fitted_pairs("llama")
+    for name, value in (("deep_draft_vocab", 8), ("record_round_traces", True), ("int8_draft_weights", True)):
+        with pytest.raises(ValueError, match=name):
+            drafter.with_generation_config(**{name: value})
+    drafter.save_pretrained(tmp_path)
+    path = tmp_path / "generation_config.json"
+    settings = json.loads(path.read_text())
+    settings.update(int8_draft_weights=True, deep_draft_vocab=None, record_round_traces=False)
+    path.write_text(json.dumps(settings))
+    loaded = PosSDrafter.from_pretrained(tmp_path)
+    assert loaded.int8_draft_weights and loaded.generation_config.budget == drafter.generation_config.budget
+    assert not PosSDrafter.from_pretrained(tmp_path, int8_draft_weights=False).int8_draft_weights
 
 
 def test_int8_draft_linear_products_and_fallbacks():
-    """An 8-bit `DraftLinear` product is within quantization error of the exact one, reads only the first rows when
-    asked, follows weight changes, and is exact (the weight itself) with gradients, on more than 4 rows, or when
+    """An 8-bit `DraftLinear` product is within quantization error of the exact one, follows weight changes, and is exact (the weight itself) with gradients, on more than 4 rows, or when
     off; the module's state is untouched."""
     from transformers_poss.kernels import DraftLinear
 
@@ -395,7 +352,6 @@ def test_int8_draft_linear_products_and_fallbacks():
         approximate = layer(x)
         assert not torch.equal(approximate, exact)
         assert (approximate - exact).abs().max() <= 0.02 * exact.abs().max()
-        torch.testing.assert_close(layer(x, rows=20), approximate[..., :20])
         torch.testing.assert_close(layer(many), torch.nn.functional.linear(many, layer.weight, layer.bias))
         layer.weight.mul_(2)
         torch.testing.assert_close(layer(x) - layer.bias, 2 * (approximate - layer.bias), rtol=0.02, atol=0.02)
@@ -457,6 +413,13 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
     torch.testing.assert_close(fast[2].candidates.scores, reference[2].candidates.scores, rtol=1e-5, atol=1e-5)
 
 
+def _int8_view(drafter, **settings):
+    """A view of `drafter` with other generation settings that drafts on 8-bit weight copies."""
+    view = drafter.with_generation_config(**settings)
+    view.int8_draft_weights = True
+    return view
+
+
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_greedy_identity_with_int8_draft_weights(fitted_pairs, monkeypatch, family, mode):
@@ -468,7 +431,7 @@ def test_greedy_identity_with_int8_draft_weights(fitted_pairs, monkeypatch, fami
     products = []
     product = kernels.int8_product
     monkeypatch.setattr(kernels, "int8_product", lambda *args: products.append(1) or product(*args))
-    view = drafter.with_generation_config(draft_mode=mode, int8_draft_weights=True)
+    view = _int8_view(drafter, draft_mode=mode)
     accepted = []
     for prompt in prompts(count=3):
         reference, speculative, stats = _generate_both(target, view, prompt, max_new_tokens=30)
@@ -481,8 +444,7 @@ def test_greedy_identity_with_int8_draft_weights(fitted_pairs, monkeypatch, fami
 
 def test_int8_draft_weights_on_mapped_head_rows(monkeypatch):
     """With a draft head that maps most rows from the target's `lm_head`, 8-bit logits of a 4-row frontier stay within
-    quantization error of the exact ones, for the whole draft vocabulary and for its first part, and the mapped rows
-    themselves were multiplied on 8 bits."""
+    quantization error of the exact ones, and the mapped rows themselves were multiplied on 8 bits."""
     from transformers_poss import PosSDrafter, kernels
 
     target = tiny_target("llama")
@@ -497,13 +459,12 @@ def test_int8_draft_weights_on_mapped_head_rows(monkeypatch):
     with torch.no_grad():
         exact = drafter.logits(features)
         with drafter.int8_weights():
-            for vocab in (None, 10, 40):
-                approximate = drafter.logits(features, vocab)
-                assert approximate.shape == exact[:, :vocab].shape
-                assert (approximate - exact[:, :vocab]).abs().max() <= 0.03 * exact.abs().max()
-                assert not torch.equal(approximate, exact[:, :vocab])
+            approximate = drafter.logits(features)
+            assert approximate.shape == exact.shape
+            assert (approximate - exact).abs().max() <= 0.03 * exact.abs().max()
+            assert not torch.equal(approximate, exact)
         torch.testing.assert_close(drafter.logits(features), exact)
-    assert 48 in products and 24 in products  # the 48 mapped rows, and the first 24 of them for vocab 40
+    assert 48 in products  # the 48 mapped rows
 
 
 def test_generate_reuses_the_mapped_head_rows_of_the_same_target():
@@ -516,13 +477,13 @@ def test_generate_reuses_the_mapped_head_rows_of_the_same_target():
     torch.manual_seed(0)
     drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=16).bind_target(target)
     drafter.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
-    view = drafter.with_generation_config(int8_draft_weights=True, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+    view = _int8_view(drafter, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
     prompt = prompts(count=1)[0]
     with torch.no_grad():
         target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
                         assistant_model=view)
         rows, packed = drafter.mapped_head_rows(), drafter.mapped_head_rows(int8=True)
-        for assistant in (view, drafter.with_generation_config(int8_draft_weights=True)):
+        for assistant in (view, _int8_view(drafter)):
             target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
                             assistant_model=assistant)
     assert drafter.mapped_head_rows() is rows and drafter.mapped_head_rows(int8=True) is packed

@@ -86,10 +86,6 @@ def test_card_without_benchmark_or_hub_target(target, tmp_path):
     fused = PosSDrafter.from_target(target, feature_layers=[0, -1])
     assert "| Target hidden states read (`feature_layers`) | 0, -1 (fused; -1 is the final state) |" in \
         str(hub.render_card(fused))
-    assert "int8_draft_weights" not in text and "deep_draft_vocab" not in text  # rows only for settings that are on
-    lean = str(hub.render_card(drafter.with_generation_config(int8_draft_weights=True, deep_draft_vocab=64)))
-    assert "| 8-bit draft weights (`int8_draft_weights`) | on:" in lean
-    assert "| Draft vocabulary past position 1 (`deep_draft_vocab`) | the first 64 draft tokens |" in lean
 
 
 @pytest.mark.parametrize(

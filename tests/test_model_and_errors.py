@@ -12,7 +12,7 @@ from tiny_models import DEVICE, prompts, tiny_target
 from transformers_poss import PosSConfig, PosSDrafter, PosSGenerationConfig
 from transformers_poss.generation import hook
 from transformers_poss.generation.drafting import DraftSession, draft_chain, draft_tree
-from transformers_poss.generation.tree_decoding import tree_attention_mask
+from transformers_poss.generation.verification import tree_attention_mask
 
 
 def _ids(*rows: list[int]) -> torch.LongTensor:
@@ -28,7 +28,7 @@ def test_config_validation(bad):
 
 @pytest.mark.parametrize(
     "bad", [dict(tree_depth=0), dict(tree_top_k=0), dict(tree_total_tokens=0), dict(draft_mode="beam"),
-            dict(lookup_num_tokens=-1), dict(lookup_ngram_size=1), dict(record_round_traces="yes")],
+            dict(lookup_num_tokens=-1), dict(lookup_ngram_size=1), dict(deep_draft_vocab=8)],
 )
 def test_generation_config_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -258,7 +258,7 @@ def test_old_single_file_layout_loads_converted(tmp_path):
     loaded = PosSDrafter.from_pretrained(tmp_path)
     assert loaded.generation_config.budget == {
         "draft_mode": "chain", "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5, "lookup_num_tokens": 10,
-        "lookup_ngram_size": 3, "deep_draft_vocab": None, "int8_draft_weights": False, "record_round_traces": False,
+        "lookup_ngram_size": 3,
     }
     assert loaded.training_record == {"steps": 9} and loaded.tuning_record["chosen"] == {"tree_depth": 3}
     assert not hasattr(loaded.config, "tree_depth") and not hasattr(loaded.config, "training_record")

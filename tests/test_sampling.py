@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from tiny_models import DEVICE, fitted_drafter, tiny_target
-from transformers_poss.generation import tree_decoding
+from transformers_poss.generation import acceptance
 from transformers_poss.generation.drafting import DraftTree
 
 VOCAB = 8
@@ -51,23 +51,18 @@ def _p_values(samples, marginals):
 def setup():
     target = tiny_target("llama", vocab_size=VOCAB, seed=5)
     drafter = fitted_drafter(target, tree_depth=3, tree_top_k=3, tree_total_tokens=10, steps=200)
-    # With its own head over the whole vocabulary (a draft vocabulary, in id order), for `deep_draft_vocab`.
-    with_head = fitted_drafter(target, tree_depth=3, tree_top_k=3, tree_total_tokens=10, steps=200,
-                               draft_vocab_size=VOCAB)
     prompt = torch.tensor([[1, 4, 2, 7, 3]], device=DEVICE)
-    return target, {None: drafter, "own head": with_head}, prompt
+    return target, drafter, prompt
 
 
-@pytest.mark.parametrize("mode,lookup_tokens,deep_vocab,int8", [
-    ("tree", 0, None, False), ("chain", 0, None, False), ("tree", 3, None, False), ("tree", 0, 5, False),
-    ("chain", 0, 5, False), ("chain", 0, None, True)])
-def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_tokens, deep_vocab, int8):
-    target, drafters, prompt = setup
+@pytest.mark.parametrize("mode,lookup_tokens,int8", [
+    ("tree", 0, False), ("chain", 0, False), ("tree", 3, False), ("chain", 0, True)])
+def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_tokens, int8):
+    target, drafter, prompt = setup
     temperature = 0.7
-    drafter = copy.deepcopy(drafters["own head" if deep_vocab else None])
+    drafter = copy.deepcopy(drafter)
     drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = mode, lookup_tokens
-    drafter.generation_config.deep_draft_vocab = deep_vocab  # chain mode: q is zero past it at levels 2 and later
-    drafter.generation_config.int8_draft_weights = int8  # chain mode: q from the 8-bit products that drew the draft
+    drafter.int8_draft_weights = int8  # chain mode: q from the 8-bit products that drew the draft
     if lookup_tokens:  # a small drafted tree and a repetitive prompt, so that grafted nodes get accepted
         drafter.generation_config.tree_total_tokens, prompt = 3, torch.cat((prompt, prompt), dim=1)
     marginals = _exact_marginals(target, prompt, temperature)
@@ -87,7 +82,7 @@ def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_to
 
 def _wrong_accept_sampling(processed, tree):
     """A deliberately wrong rule: accept a drafted child with probability p(t) but resample from the unmodified p."""
-    tokens, children = tree.tokens.tolist(), tree_decoding._children(tree)
+    tokens, children = tree.tokens.tolist(), acceptance.children(tree)
     path = [0]
     while True:
         probs = torch.softmax(processed[path[-1]], -1)
@@ -97,7 +92,7 @@ def _wrong_accept_sampling(processed, tree):
         path.append(child)
 
 
-@pytest.mark.parametrize("rule,should_pass", [(tree_decoding._accept_sampling, True), (_wrong_accept_sampling, False)])
+@pytest.mark.parametrize("rule,should_pass", [(acceptance.accept_sampling, True), (_wrong_accept_sampling, False)])
 def test_acceptance_rule_is_exact_and_test_has_power(rule, should_pass):
     """One tree level, many trials: the first emitted token must follow the target distribution p exactly."""
     torch.manual_seed(1)

@@ -176,7 +176,7 @@ def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, fea
         predictions = unrolled_forward(drafter, ids, features, depth)
     recorded = []
     original_logits = drafter.logits
-    drafter.logits = lambda feats, vocab=None: (recorded.append(feats.clone()), original_logits(feats, vocab))[1]
+    drafter.logits = lambda feats: (recorded.append(feats.clone()), original_logits(feats))[1]
     compared, max_error, scale = 0, 0.0, out.hidden_states[-1].abs().max().item()
     try:
         for S in range(1, ids.shape[1] - depth):  # committed context 0..S-1, root x_S

@@ -5,17 +5,21 @@ import torch
 
 from tiny_models import prompts
 from transformers_poss.cli import main as poss_main
+from transformers_poss.generation.decoding import observe_rounds
 from transformers_poss.generation.drafting import DraftSession, draft_tree, level_rank
 from transformers_poss.tuning import (drafted_depth, format_costs, format_table, replay_accepted, stopping_ranks,
                                      subtree_candidates, tune)
 
 
 def _traced_generate(target, drafter, prompt, depth, top_k, total_tokens, max_new_tokens=24):
-    traced = drafter.with_generation_config(draft_mode="tree", tree_depth=depth, tree_top_k=top_k,
-                                            tree_total_tokens=total_tokens, record_round_traces=True)
-    out = target.generate(prompt, assistant_model=traced, max_new_tokens=max_new_tokens, do_sample=False,
-                          return_dict_in_generate=True)
-    return out.speculative_stats
+    """The call's statistics and its rounds as `poss tune` records them."""
+    view = drafter.with_generation_config(draft_mode="tree", tree_depth=depth, tree_top_k=top_k,
+                                          tree_total_tokens=total_tokens)
+    traces = []
+    with observe_rounds(traces.append):
+        out = target.generate(prompt, assistant_model=view, max_new_tokens=max_new_tokens, do_sample=False,
+                              return_dict_in_generate=True)
+    return out.speculative_stats, traces
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -23,10 +27,10 @@ def test_replay_at_the_calibrated_budget_reproduces_every_round(fitted_pairs, fa
     target, drafter = fitted_pairs(family)
     lengths, replayed = [], []
     for prompt in prompts(target.config.vocab_size, 3):
-        stats = _traced_generate(target, drafter, prompt, depth=4, top_k=3, total_tokens=12)
-        assert len(stats.round_traces) == stats.num_rounds
+        stats, traces = _traced_generate(target, drafter, prompt, depth=4, top_k=3, total_tokens=12)
+        assert len(traces) == stats.num_rounds
         lengths += stats.acceptance_lengths
-        replayed += [replay_accepted(trace, 4, 12) for trace in stats.round_traces]
+        replayed += [replay_accepted(trace, 4, 12) for trace in traces]
     assert replayed == lengths
     assert 0 in lengths and max(lengths) >= 2  # rounds with nothing and with several drafts accepted
 
@@ -133,38 +137,6 @@ def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path,
     assert all((tmp_path / "drafter" / name).read_bytes() == data for name, data in untouched.items())
 
 
-def test_poss_tune_with_a_deep_draft_vocab_writes_it_with_the_budget(tmp_path, capsys):
-    import json
-
-    from tiny_models import fitted_drafter, tiny_target
-    from tiny_tokenizer import char_tokenizer
-
-    target = tiny_target("llama")
-    drafter = fitted_drafter(target, draft_vocab_size=target.config.vocab_size, steps=100)
-    target.save_pretrained(tmp_path / "target")
-    char_tokenizer().save_pretrained(tmp_path / "target")
-    drafter.save_pretrained(tmp_path / "drafter")
-    (tmp_path / "prompts.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hello there"]}\n')
-    code = poss_main(["tune", str(tmp_path / "drafter"), "--target", str(tmp_path / "target"), "--prompts",
-                      str(tmp_path / "prompts.jsonl"), "--dtype", "float32", "--top-k", "2", "--max-depth", "3",
-                      "--totals", "4", "--max-new-tokens", "8", "--repeats", "1", "--deep-draft-vocab", "20"])
-    assert code == 0, capsys.readouterr().err
-    record = json.loads((tmp_path / "drafter" / "tuning_record.json").read_text())
-    settings = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
-    assert settings["deep_draft_vocab"] == record["deep_draft_vocab"] == 20
-    assert record["previous"]["deep_draft_vocab"] is None
-
-
-def test_poss_tune_refuses_a_deep_draft_vocab_without_a_draft_vocabulary(fitted_pairs, tmp_path, capsys):
-    _, drafter = fitted_pairs("llama")  # drafts over the target's whole vocabulary
-    drafter.save_pretrained(tmp_path / "drafter")
-    (tmp_path / "prompts.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hello there"]}\n')
-    code = poss_main(["tune", str(tmp_path / "drafter"), "--target", str(tmp_path / "no-target"), "--prompts",
-                      str(tmp_path / "prompts.jsonl"), "--deep-draft-vocab", "20"])
-    assert code == 2
-    assert "reduced draft vocabulary" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("int8", [False, True])
 def test_draft_timing_drafts_as_generate_would(fitted_pairs, monkeypatch, int8):
     """`poss tune` times drafting with the drafter's own 8-bit setting (and only then with 8-bit products)."""
@@ -175,7 +147,8 @@ def test_draft_timing_drafts_as_generate_would(fitted_pairs, monkeypatch, int8):
     products = []
     product = kernels.int8_product
     monkeypatch.setattr(kernels, "int8_product", lambda *args: products.append(1) or product(*args))
-    view = drafter.with_generation_config(int8_draft_weights=int8).bind_target(target)
+    view = drafter.with_generation_config().bind_target(target)
+    view.int8_draft_weights = int8
     seconds = measure_draft_seconds(view, target, prompts()[0], depths=[1, 2], top_ks=[2], repeats=1)
     assert sorted(seconds) == [(1, 2), (2, 2)] and all(s > 0 for s in seconds.values())
     assert bool(products) == int8

@@ -34,6 +34,10 @@ DEFAULT_DRAFTERS = {
     "poss2": "poss2-smollm2-135m-instruct",
     "single": "single-smollm2-135m-instruct",
 }
+# Kernel choices each shipped drafter loads with (`PosSDrafter.from_pretrained` options). PosS-2 drafts on 8-bit
+# weight copies: README benchmark 2.08x -> 2.24x and 2.01x -> 2.08x in two interleaved runs on the AVX-512 BF16 CPU
+# (docs/benchmarks/cpu-bf16-lean-rounds); the single specialist was not measured with them.
+SHIPPED_KERNELS = {"poss2": {"int8_draft_weights": True}, "single": {}}
 
 # ---- the default target ------------------------------------------------------------------------------------------
 def default_cache_dir() -> Path:
@@ -271,13 +275,21 @@ def available_default_drafters() -> dict[str, Path]:
             if (default_drafter_path(name) / "config.json").is_file()}
 
 
+def load_drafter(folder, **options):
+    """`PosSDrafter.from_pretrained(folder, **options)`, with a shipped drafter's kernel choices (`SHIPPED_KERNELS`)
+    when `folder` is one of the shipped folders (options given here win)."""
+    from .modeling_poss import PosSDrafter
+
+    shipped = {default_drafter_path(name).resolve(): name for name in DEFAULT_DRAFTERS}
+    kernels = SHIPPED_KERNELS.get(shipped.get(Path(folder).expanduser().resolve()), {})
+    return PosSDrafter.from_pretrained(folder, **{**kernels, **options})
+
+
 def load_default_drafter(name: str = "poss2", target=None):
     """A shipped drafter for the default target (`"poss2"` or `"single"`), bound to `target` when given.
 
     Raises `FileNotFoundError` naming the folder when this installation does not ship it.
     """
-    from .modeling_poss import PosSDrafter
-
     path = default_drafter_path(name)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -285,7 +297,7 @@ def load_default_drafter(name: str = "poss2", target=None):
             f"the default target with the training command (`poss train`, see examples/train_poss.py) and save it "
             f"there, or pass your own drafter folder (e.g. `poss demo --drafter PATH`)."
         )
-    drafter = PosSDrafter.from_pretrained(path)
+    drafter = load_drafter(path)
     if target is not None:
         drafter.bind_target(target)
     return drafter.eval()

@@ -39,6 +39,15 @@ LEGACY_GENERATION_KEYS = (
     "draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens", "lookup_ngram_size",
 )
 LEGACY_RECORD_KEYS = ("training_record", "tuning_record")
+# Drafting settings that left `PosSGenerationConfig`, and where they went. A saved `generation_config.json` that still
+# has them loads: `int8_draft_weights` becomes the drafter's kernel setting, the others are dropped (see
+# `checkpoints.native.read_drafter_files`).
+REMOVED_GENERATION_SETTINGS = {
+    "int8_draft_weights": "is a kernel choice now: PosSDrafter.from_pretrained(..., int8_draft_weights=True) or "
+                          "drafter.int8_draft_weights = True",
+    "deep_draft_vocab": "was removed: it lost its A/B on the shipped drafters (docs/HISTORY.md)",
+    "record_round_traces": "was removed: poss tune records rounds itself (generation.decoding.observe_rounds)",
+}
 
 
 def _check_int(owner: str, name: str, value, minimum: int) -> None:
@@ -342,27 +351,18 @@ class PosSGenerationConfig(GenerationConfig):
             Verification keeps it lossless; it pays when answers repeat their prompt or themselves.
         lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
             their latest earlier occurrence.
-        deep_draft_vocab (`int`, *optional*): draft positions 2 and later score only the first `deep_draft_vocab`
-            tokens of the drafter's reduced draft vocabulary (its most frequent ones; a drafter whose head has its own
-            rows for the first `config.draft_head_rows` tokens skips the rest of its head by this number). Position 1
-            always scores the whole draft vocabulary. Each later depth then streams fewer head weights, at some cost
-            in acceptance; `None` (default) scores the whole draft vocabulary everywhere.
-        int8_draft_weights (`bool`): on the CPU, draft with 8-bit copies of the drafter's weights (quantized per
-            output row when first used; the weights themselves stay as they are) wherever a product has at most 4
-            input rows, as a draft depth's frontier does: drafting streams half the bytes, for a little acceptance.
-            Verification keeps decoding lossless. Other devices and larger products use the weights as they are.
-        record_round_traces (`bool`): tree mode: keep every round's scored candidates in the output's
-            `speculative_stats.round_traces` (what `poss tune` replays); off by default.
         kwargs: other `GenerationConfig` fields (unused by the drafter).
     """
 
     POSS_DEFAULTS = {
         "draft_mode": "tree", "tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60,
-        "lookup_num_tokens": 0, "lookup_ngram_size": 3, "deep_draft_vocab": None,
-        "int8_draft_weights": False, "record_round_traces": False,
+        "lookup_num_tokens": 0, "lookup_ngram_size": 3,
     }
 
     def __init__(self, **kwargs):
+        removed = sorted(set(kwargs) & set(REMOVED_GENERATION_SETTINGS))
+        if removed:
+            raise ValueError(" ".join(f"{name}: {REMOVED_GENERATION_SETTINGS[name]}" for name in removed))
         for name, default in self.POSS_DEFAULTS.items():
             setattr(self, name, kwargs.pop(name, default))
         super().__init__(**kwargs)
@@ -379,16 +379,14 @@ class PosSGenerationConfig(GenerationConfig):
                     "lookup_ngram_size": 2}
         for name, minimum in minimums.items():
             _check_int("PosSGenerationConfig", name, getattr(self, name), minimum)
-        if self.deep_draft_vocab is not None:
-            _check_int("PosSGenerationConfig", "deep_draft_vocab", self.deep_draft_vocab, 1)
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"PosSGenerationConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
-        for name in ("int8_draft_weights", "record_round_traces"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"PosSGenerationConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def updated(self, **settings) -> "PosSGenerationConfig":
         """A validated copy with `settings` changed; unknown names raise `ValueError`."""
+        removed = sorted(set(settings) & set(REMOVED_GENERATION_SETTINGS))
+        if removed:
+            raise ValueError(" ".join(f"{name}: {REMOVED_GENERATION_SETTINGS[name]}" for name in removed))
         unknown = sorted(set(settings) - set(self.POSS_DEFAULTS) - set(GenerationConfig().to_dict()))
         if unknown:
             raise ValueError(

@@ -140,7 +140,8 @@ def drafter_description(source) -> tuple[PosSConfig, PosSGenerationConfig, dict[
             f"{path} is not a native PosS drafter folder (model_type {config.get('model_type')!r}); convert research "
             "checkpoints first with `poss convert`"
         )
-    return (PosSConfig.from_pretrained(str(path)), *read_drafter_files(path))
+    files = read_drafter_files(path)
+    return PosSConfig.from_pretrained(str(path)), files.generation_config, files.records
 
 
 def _parameter_count(config: PosSConfig) -> int:

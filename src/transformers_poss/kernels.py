@@ -44,19 +44,12 @@ class DraftLinear(nn.Linear):
 
     int8 = False
 
-    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-        """`[..., in] -> [..., out]`, or only the first `rows` outputs (without reading the other weight rows)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., in] -> [..., out]`."""
         if not (self.int8 and runs_int8(x, self.in_features)):
-            weight = self.weight if rows is None else self.weight[:rows]
-            bias = self.bias if self.bias is None or rows is None else self.bias[:rows]
-            return nn.functional.linear(x, weight, bias)
-        values, scales = self.int8_copy()
-        if rows is not None:
-            values, scales = values[:rows], scales[:rows]
-        out = int8_product(x, values, scales)
-        if self.bias is not None:
-            out = out + (self.bias if rows is None else self.bias[:rows])
-        return out
+            return nn.functional.linear(x, self.weight, self.bias)
+        out = int8_product(x, *self.int8_copy())
+        return out if self.bias is None else out + self.bias
 
     def int8_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`pack_int8(self.weight)`, cached while the weight is unchanged."""

@@ -108,6 +108,10 @@ class PosSDrafter(PosSPreTrainedModel):
             `generation_config.json`; `with_generation_config(...)` gives a view with other settings for one call.
         training_record / tuning_record: what training and `poss tune` measured (dicts, saved as
             `training_record.json` / `tuning_record.json` when not empty).
+        int8_draft_weights: a kernel choice, not saved (like `attn_implementation`): on the CPU, `generate` drafts
+            with 8-bit copies of the weights (`int8_weights`); set by `from_pretrained(..., int8_draft_weights=True)`
+            or directly. Drafting streams half the bytes, for a little acceptance; verification keeps decoding
+            lossless.
     """
 
     is_poss_drafter = True  # what the generate() hook dispatches on (not isinstance: remote code is another class)
@@ -166,6 +170,7 @@ class PosSDrafter(PosSPreTrainedModel):
             if type(module) is nn.Linear:
                 module.__class__ = DraftLinear
         self._int8_head = False  # the mapped draft-head rows on 8 bits too (`int8_weights`)
+        self.int8_draft_weights = False
         self.post_init()
 
     # ---- construction -----------------------------------------------------------------------------------------
@@ -193,16 +198,27 @@ class PosSDrafter(PosSPreTrainedModel):
     @classmethod
     def from_pretrained(
         cls, pretrained_model_name_or_path, *model_args, num_specialists: int | None = None,
-        positions_per_specialist: int | None = None, **kwargs,
+        positions_per_specialist: int | None = None, int8_draft_weights: bool | None = None, **kwargs,
     ):
         """Load a native drafter folder / Hub repo, or a checkpoint of another layout (`checkpoint_readers`: EAGLE-1/2,
-        HASS and PosS research checkpoints, see `transformers_poss.research_checkpoint`).
+        HASS and PosS research checkpoints, see `transformers_poss.checkpoints.research`, and EAGLE-3 ones, see
+        `transformers_poss.checkpoints.eagle3`).
 
         Research checkpoints are converted on load; PosS ones need `num_specialists` and `positions_per_specialist`
         unless their repo is a known preset. A native folder's `generation_config.json`, `training_record.json` and
         `tuning_record.json` are read too; folders saved before those files existed keep the budget and records in
-        `config.json`, and are converted on load.
+        `config.json`, and are converted on load. `int8_draft_weights=True` drafts with 8-bit weight copies on the CPU
+        (the `int8_draft_weights` attribute; default off, or what an older folder's generation config said).
         """
+        drafter = cls._load(pretrained_model_name_or_path, *model_args, num_specialists=num_specialists,
+                            positions_per_specialist=positions_per_specialist, **kwargs)
+        if int8_draft_weights is not None:
+            drafter.int8_draft_weights = bool(int8_draft_weights)
+        return drafter
+
+    @classmethod
+    def _load(cls, pretrained_model_name_or_path, *model_args, num_specialists=None, positions_per_specialist=None,
+              **kwargs):
         if pretrained_model_name_or_path is not None:
             for reader in cls.checkpoint_readers:
                 drafter = reader(
@@ -219,9 +235,10 @@ class PosSDrafter(PosSPreTrainedModel):
         drafter = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         if pretrained_model_name_or_path is not None:
             hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-            generation_config, records = read_drafter_files(pretrained_model_name_or_path, **hub_kwargs)
-            drafter.generation_config = generation_config
-            for key, record in records.items():
+            files = read_drafter_files(pretrained_model_name_or_path, **hub_kwargs)
+            drafter.generation_config = files.generation_config
+            drafter.int8_draft_weights = bool(files.int8_draft_weights)
+            for key, record in files.records.items():
                 setattr(drafter, key, record)
         return drafter
 
@@ -435,30 +452,21 @@ class PosSDrafter(PosSPreTrainedModel):
             table = self._rope_table = (key, cos[0], sin[0])
         return table[1][position_ids], table[2][position_ids]
 
-    def logits(self, features: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits `[..., H] -> [..., V]` (target `lm_head`) or `[..., Vd]` with a draft vocabulary (after the
-        final `norm` for EAGLE-3); `[..., min(vocab, Vd)]`, the first `vocab` draft tokens only, when `vocab` is given
-        (only the head rows of those tokens are read)."""
+        final `norm` for EAGLE-3)."""
         if self.norm is not None:
             features = self.norm(features)
-        if vocab is not None:
-            if self.draft_lm_head is None:
-                raise ValueError("deep_draft_vocab needs a drafter with a reduced draft vocabulary (draft_vocab_size)")
-            vocab = min(vocab, self.config.draft_vocab_size)
-        own_rows = self.config.own_draft_head_rows
-        if self.draft_head_map is not None and (vocab is None or vocab > own_rows):
+        if self.draft_head_map is not None:
             mapped = self.draft_head_map(features)  # [..., H + 1]
-            count = None if vocab is None else vocab - own_rows
             mapped_features, mapped_bias = mapped[..., :-1], mapped[..., -1:]
             if self._int8_head and runs_int8(mapped_features, mapped_features.shape[-1]):
-                values, scales = self.mapped_head_rows(int8=True)
-                mapped_logits = kernels.int8_product(mapped_features, values[:count], scales[:count])
+                mapped_logits = kernels.int8_product(mapped_features, *self.mapped_head_rows(int8=True))
             else:
-                rows = self.mapped_head_rows()[:count]  # [Vd - R, H] or the first `count`
-                mapped_logits = torch.matmul(mapped_features, rows.T)
+                mapped_logits = torch.matmul(mapped_features, self.mapped_head_rows().T)  # rows [Vd - R, H]
             return torch.cat((self.draft_lm_head(features), mapped_logits + mapped_bias), dim=-1)
         if self.draft_lm_head is not None:
-            return self.draft_lm_head(features, rows=vocab if vocab is not None and vocab < own_rows else None)
+            return self.draft_lm_head(features)
         self._require_bound()
         return output_logits(self._bound["target"], features).to(features.device)
 
@@ -486,7 +494,7 @@ class PosSDrafter(PosSPreTrainedModel):
     def int8_weights(self, enabled: bool = True):
         """Within the block, inference on the CPU multiplies with 8-bit copies of the drafter's weights (its linear
         layers, `DraftLinear`, and the mapped draft-head rows); what was set before is restored after it. The
-        generation hook enters it for `generation_config.int8_draft_weights`."""
+        generation hook enters it for `self.int8_draft_weights`."""
         linears = [module for module in self.modules() if isinstance(module, DraftLinear)]
         previous = [layer.int8 for layer in linears], self._int8_head
         for layer in linears:

@@ -35,8 +35,8 @@ import torch
 from .cli import typed_command
 from .generation.drafting import (DraftSession, DraftTree, draft_tree, level_rank, max_tree_nodes,
                                   select_candidates)
-from .generation.stats import RoundTrace
-from .generation.tree_decoding import tree_attention_mask
+from .generation.decoding import RoundTrace, observe_rounds
+from .generation.verification import tree_attention_mask
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _full_tree_tokens(depth: int, top_k: int) -> int:
 def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths, top_ks,
                           repeats: int = 5) -> dict[tuple[int, int], float]:
     """`{(depth, top_k): seconds}` of `draft_tree` on a drafter session committed over `context_ids` `[1, L]`, with
-    the drafter's own `deep_draft_vocab` and `int8_draft_weights`, as generate drafts."""
+    the drafter's own `int8_draft_weights`, as generate drafts."""
     device = target.device
     context_ids = context_ids.to(device)
     out = target(input_ids=context_ids[:, :-1], output_hidden_states=drafter.config.input_feature_layers,
@@ -209,14 +209,14 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
     session = DraftSession(drafter)
     session.commit(drafter.target_features(out.hidden_states)[0], context_ids[0, 1:])
     root = context_ids[0, -1]
-    deep_vocab = drafter.generation_config.deep_draft_vocab
+
     def draft_call(depth, top_k):
         def draft():
-            draft_tree(session, root, depth, top_k, _full_tree_tokens(depth, top_k), deep_vocab)
+            draft_tree(session, root, depth, top_k, _full_tree_tokens(depth, top_k))
             session.end_round()
         return draft
 
-    with drafter.int8_weights(drafter.generation_config.int8_draft_weights):
+    with drafter.int8_weights(drafter.int8_draft_weights):
         return _interleaved_medians({(d, k): draft_call(d, k) for k in top_ks for d in depths}, repeats)
 
 
@@ -227,7 +227,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     """Calibrate on `prompts` (token ids `[1, L]` each) and rank every budget in the grid by predicted tokens/s.
 
     The drafter must be bound to `target`; its settings are left as they are (calibration passes views of it with
-    other settings, `with_generation_config`; its `deep_draft_vocab` applies throughout). The prompt-lookup branch
+    other settings, `with_generation_config`). The prompt-lookup branch
     (`lookup_num_tokens`) is not modelled: calibration runs without it, and the budget is chosen for the drafted tree.
     """
     log = progress or (lambda message: None)
@@ -239,7 +239,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     # Plain decoding and each width's calibration take turns on every prompt, so drift slows them alike.
     calibrating = {k: drafter.with_generation_config(
         draft_mode="tree", tree_depth=max_depth, tree_top_k=k, tree_total_tokens=calibrated_size[k],
-        lookup_num_tokens=0, record_round_traces=True) for k in top_ks}
+        lookup_num_tokens=0) for k in top_ks}
     decode_tokens, decode_seconds = 0, 0.0
     traces: dict[int, list[RoundTrace]] = {k: [] for k in top_ks}
     round_seconds: dict[int, list[float]] = {k: [] for k in top_ks}
@@ -252,9 +252,9 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
         decode_seconds += time.perf_counter() - start
         decode_tokens += out.shape[1] - ids.shape[1]
         for k in top_ks:
-            stats = target.generate(ids, assistant_model=calibrating[k], max_new_tokens=max_new_tokens,
-                                    do_sample=False, return_dict_in_generate=True).speculative_stats
-            traces[k].extend(stats.round_traces)
+            with observe_rounds(traces[k].append):
+                stats = target.generate(ids, assistant_model=calibrating[k], max_new_tokens=max_new_tokens,
+                                        do_sample=False, return_dict_in_generate=True).speculative_stats
             round_seconds[k].extend(
                 sum(parts) for parts in zip(stats.draft_seconds, stats.verify_seconds, stats.bookkeeping_seconds))
     acceptance = {k: _position_acceptance(traces[k], max_depth, calibrated_size[k]) for k in top_ks}
@@ -341,9 +341,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-depth", type=int, default=8)
     parser.add_argument("--totals", type=_int_list, default=[2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
                         help="tree sizes to consider, root included")
-    parser.add_argument("--deep-draft-vocab", type=int, default=None, metavar="N",
-                        help="tune for drafting positions past the first over the first N draft tokens (0: the whole "
-                             "draft vocabulary; default: the drafter's setting), written with the budget")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per micro-benchmark")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto")
     parser.add_argument("--device", default=None)
@@ -358,16 +355,11 @@ def run_tune(args) -> int:
     import json
     from pathlib import Path
 
-    from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_target, runtime_options
-    from .configuration_poss import PosSConfig
+    from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_drafter, load_target, runtime_options
     from .evaluation.prompts import chat_prompt, load_prompt_sets
-    from .modeling_poss import PosSDrafter
 
     if args.max_depth < 1:
         print("poss tune: error: --max-depth must be >= 1", file=sys.stderr)
-        return 2
-    if args.deep_draft_vocab is not None and args.deep_draft_vocab < 0:
-        print("poss tune: error: --deep-draft-vocab must be >= 0", file=sys.stderr)
         return 2
     shipped = {"default": "poss2", **{name: name for name in DEFAULT_DRAFTERS}}
     folder = default_drafter_path(shipped[args.drafter]) if args.drafter in shipped else Path(args.drafter)
@@ -379,16 +371,11 @@ def run_tune(args) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         print(f"poss tune: error: {error}", file=sys.stderr)
         return 2
-    if args.deep_draft_vocab and PosSConfig.from_pretrained(folder).draft_vocab_size is None:
-        print("poss tune: error: --deep-draft-vocab needs a drafter with a reduced draft vocabulary", file=sys.stderr)
-        return 2
     device, dtype = runtime_options(args.threads, args.device, args.dtype)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     target, tokenizer = load_target(args.target, dtype, device)
-    drafter = PosSDrafter.from_pretrained(folder).bind_target(target)
+    drafter = load_drafter(folder).bind_target(target)
     previous = drafter.generation_config
-    if args.deep_draft_vocab is not None:
-        drafter.generation_config = previous.updated(deep_draft_vocab=args.deep_draft_vocab or None)
     prompts = [tokenizer(chat_prompt(tokenizer, q.turns, []), return_tensors="pt").input_ids
                for questions in prompt_sets.values() for q in questions]
     log(f"{len(prompts)} calibration prompts from {sorted(prompt_sets)}")
@@ -406,8 +393,7 @@ def run_tune(args) -> int:
     settings = drafter.generation_config
     record = result.record()
     record["previous"] = {key: getattr(previous, key)
-                          for key in ("tree_depth", "tree_top_k", "tree_total_tokens", "deep_draft_vocab")}
-    record["deep_draft_vocab"] = settings.deep_draft_vocab
+                          for key in ("tree_depth", "tree_top_k", "tree_total_tokens")}
     record["device"] = f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"
     record["command"] = typed_command()
     drafter.generation_config = settings.updated(

@@ -11,7 +11,7 @@ import torch
 from ..hub import DEFAULT_LICENSE, guarded, write_card
 from ..modeling_poss import PosSDrafter
 from .eagle3 import convert_eagle3_checkpoint, is_eagle3_checkpoint
-from .export import EXPORT_FORMATS, export_speculators
+from .export import EXPORT_FORMATS, export_speculators, export_vllm
 from .research import convert_research_checkpoint
 
 
@@ -37,8 +37,9 @@ def _run_export(args) -> int:
     drafter = PosSDrafter.from_pretrained(args.source)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        export_speculators(drafter, args.destination, first_specialist=args.first_specialist,
-                           verifier=args.verifier, overwrite=args.overwrite)
+        export = export_vllm if args.format == "vllm" else export_speculators
+        export(drafter, args.destination, first_specialist=args.first_specialist, verifier=args.verifier,
+               target=args.target, overwrite=args.overwrite)
     for warning in caught:
         print(f"poss export: warning: {warning.message}", file=sys.stderr)
     print(f"wrote {args.destination} ({args.format})")
@@ -68,15 +69,22 @@ def add_subcommand(subparsers) -> None:
     convert.set_defaults(func=guarded(_run_convert))
 
     export = subparsers.add_parser(
-        "export", help="write a drafter in an inference engine's format (speculators, served by vLLM)",
-        description="Export a drafter for an inference engine. See transformers_poss.checkpoints.export for the "
-                    "format and why drafters with several position specialists are refused unless --first-specialist.",
+        "export", help="write a drafter in an inference engine's format (vllm: the poss_vllm plugin; speculators)",
+        description="Export a drafter for an inference engine. --format vllm writes what the poss_vllm plugin "
+                    "(integrations/vllm) serves: EAGLE-1/2- and EAGLE-3-style drafters, every position specialist. "
+                    "--format speculators writes a one-specialist EAGLE-3 drafter for vLLM's own EAGLE-3 proposer "
+                    "(several specialists are refused there unless --first-specialist). See "
+                    "transformers_poss.checkpoints.export for both layouts.",
     )
     export.add_argument("--format", choices=EXPORT_FORMATS, default="speculators", help="output format")
     export.add_argument("source", help="drafter folder or Hub repo id (any layout PosSDrafter.from_pretrained reads)")
     export.add_argument("destination", help="output folder (absent or empty)")
     export.add_argument("--first-specialist", action="store_true",
-                        help="export specialist 0 of a multi-specialist drafter (with a warning) instead of refusing")
-    export.add_argument("--verifier", help="the target's Hub id (default: the drafter's target_name_or_path)")
+                        help="export specialist 0 of a multi-specialist drafter alone (with a warning): for comparisons, "
+                        "or where the format has one layer for every position")
+    export.add_argument("--target", help="local target folder: checked against the drafter, gives the verifier's "
+                        "architectures and is the verifier the export names (what `vllm serve EXPORT` loads)")
+    export.add_argument("--verifier", help="the target's name or path written in the export (default: --target, "
+                        "else the drafter's target_name_or_path)")
     export.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
     export.set_defaults(func=guarded(_run_export))

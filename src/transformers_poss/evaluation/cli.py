@@ -38,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--lookup-tokens", type=int, default=None, metavar="N",
                         help="override every drafter's lookup_num_tokens (prompt-lookup branch grafted onto the tree; "
                              "0 turns it off)")
-    parser.add_argument("--deep-draft-vocab", type=int, default=None, metavar="N",
-                        help="override every drafter's deep_draft_vocab (draft positions past the first score the "
-                             "first N draft tokens; 0 scores the whole draft vocabulary)")
+    parser.add_argument("--int8-draft-weights", choices=("on", "off"), default=None,
+                        help="draft on 8-bit weight copies (CPU) or not, for every drafter (default: each drafter's "
+                             "own choice; the shipped PosS-2 has it on)")
     parser.add_argument("--prompts", action="append", default=[], metavar="SPEC",
                         help="a .jsonl file, a folder of them, registry:NAME (mt_bench, humaneval, nq, xsum, asdiv) or "
                              "a Hub dataset id[:split]; repeatable")
@@ -126,8 +126,6 @@ def _check_args(args) -> None:
         raise ValueError(f"--prompt-lookup must be >= 0, got {args.prompt_lookup}")
     if args.lookup_tokens is not None and args.lookup_tokens < 0:
         raise ValueError(f"--lookup-tokens must be >= 0, got {args.lookup_tokens}")
-    if args.deep_draft_vocab is not None and args.deep_draft_vocab < 0:
-        raise ValueError(f"--deep-draft-vocab must be >= 0, got {args.deep_draft_vocab}")
     if args.assistant is not None and not Path(args.assistant).expanduser().exists():
         raise FileNotFoundError(f"--assistant {args.assistant}: no such file or folder")
     if args.batch_size is not None:
@@ -146,8 +144,7 @@ def _check_args(args) -> None:
 
 
 def run_bench(args) -> int:
-    from ..assets import load_causal_lm, load_target
-    from ..modeling_poss import PosSDrafter
+    from ..assets import load_causal_lm, load_drafter, load_target
     from .methods import assistant_method, baseline_method, poss_methods, prompt_lookup_method
     from .prompts import load_prompt_sets
     from .report import environment, markdown_table, summarize, write_json, write_plots
@@ -190,10 +187,11 @@ def run_bench(args) -> int:
             assistant.generation_config.num_assistant_tokens = args.assistant_tokens
         methods.append(assistant_method(assistant, source=str(args.assistant)))
     budget = {"tree_depth": args.tree_depth, "tree_top_k": args.tree_top_k, "tree_total_tokens": args.tree_total_tokens,
-              "lookup_num_tokens": args.lookup_tokens, "deep_draft_vocab": args.deep_draft_vocab}
+              "lookup_num_tokens": args.lookup_tokens}
+    kernels = {} if args.int8_draft_weights is None else {"int8_draft_weights": args.int8_draft_weights == "on"}
     modes = [m for m in args.modes.split(",") if m]
     for name, folder in drafter_specs:
-        drafter = PosSDrafter.from_pretrained(folder)
+        drafter = load_drafter(folder, **kernels)
         drafter.bind_target(target)
         methods.extend(poss_methods(name, drafter, modes, source=str(folder), **budget))
 

@@ -10,10 +10,9 @@ import torch
 
 from ..assets import (
     DEFAULT_DRAFTERS, DEFAULT_TARGET_NAME, DTYPES, default_drafter_path, load_default_drafter, load_default_target,
-    resolve_dtype,
+    load_drafter, resolve_dtype,
 )
 from ..metrics import mean_acceptance_length, position_acceptance
-from ..modeling_poss import PosSDrafter
 from .losslessness import compare_tokens, default_tolerance, greedy_consistency
 
 # `poss demo`'s conversations: a new question, then a follow-up that asks for the answer reworked. Chat users do
@@ -111,7 +110,7 @@ def run_demo(args) -> int:
     dtype = resolve_dtype(args.dtype)
     print(f"Loading {DEFAULT_TARGET_NAME} ({str(dtype).removeprefix('torch.')}) ...", flush=True)
     target, tokenizer = load_default_target(dtype=dtype)
-    drafter = PosSDrafter.from_pretrained(drafter_path).bind_target(target).eval()
+    drafter = load_drafter(drafter_path).bind_target(target).eval()
     drafter = drafter.with_generation_config(draft_mode=args.mode)  # this run's mode; the folder is left as it is
     budget = drafter.generation_config
     drafter_name = str(drafter_path) if args.drafter else f"shipped {DEFAULT_DRAFTERS['poss2']}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BASELINE = "baseline"
-BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens", "deep_draft_vocab")
+BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens")
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Method:
         if self.drafter is not None:
             config = self.drafter.config
             info.update(self.budget)
-            info.update(num_specialists=config.num_specialists,
+            info.update(int8_draft_weights=self.drafter.int8_draft_weights, num_specialists=config.num_specialists,
                         positions_per_specialist=config.positions_per_specialist,
                         draft_vocab_size=config.draft_vocab_size)
         return info
@@ -76,13 +76,12 @@ def assistant_method(assistant_model, name: str = "assistant", source: str | Non
 def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None,
                  **budget_overrides) -> list[Method]:
     """One method per draft mode for a PosS drafter, with its generation config's budget unless overridden (an
-    override of None keeps the drafter's setting; `deep_draft_vocab=0` scores the whole draft vocabulary)."""
+    override of None keeps the drafter's setting)."""
     unknown = set(budget_overrides) - set(BUDGET_KEYS)
     if unknown:
         raise TypeError(f"unknown budget overrides {sorted(unknown)}; expected some of {BUDGET_KEYS}")
     budget = {key: getattr(drafter.generation_config, key) if budget_overrides.get(key) is None
               else budget_overrides[key] for key in BUDGET_KEYS}
-    budget["deep_draft_vocab"] = budget["deep_draft_vocab"] or None
     methods = []
     for mode in modes:
         if mode not in ("tree", "chain"):

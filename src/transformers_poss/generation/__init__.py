@@ -1,15 +1,13 @@
-"""Generation with PosS drafters: the generate() hook, chain candidate generator, draft trees, tree verification
-(one prompt or a batch)."""
+"""Generation with PosS drafters: the generate() hook, the chain candidate generator, draft trees and the tree loop
+(one prompt or a batch): verification, acceptance and cache surgery each in a module of its own."""
 
-from .batch_decoding import batch_tree_assisted_decoding
 from .candidate_generator import PosSCandidateGenerator
+from .decoding import tree_assisted_decoding
 from .drafting import DraftSession, DraftTree, draft_chain, draft_tree
 from .hook import install_generate_hook, is_poss_drafter
 from .stats import GenerationStats, PosSGenerateOutput
-from .tree_decoding import tree_assisted_decoding
 
 __all__ = [
     "DraftSession", "DraftTree", "GenerationStats", "PosSCandidateGenerator", "PosSGenerateOutput", "draft_chain",
-    "draft_tree",
-    "batch_tree_assisted_decoding", "install_generate_hook", "is_poss_drafter", "tree_assisted_decoding",
+    "draft_tree", "install_generate_hook", "is_poss_drafter", "tree_assisted_decoding",
 ]

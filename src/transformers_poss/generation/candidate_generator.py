@@ -73,7 +73,7 @@ class PosSCandidateGenerator(CandidateGenerator):
             prefix.append(index.reshape(1, 1).to(input_ids.device))
             return self._to_draft_index(index), logits
 
-        tokens, logits = draft_chain(self.session, depth, pick, self.drafter.generation_config.deep_draft_vocab)
+        tokens, logits = draft_chain(self.session, depth, pick)
         candidates = torch.stack(tokens).reshape(1, -1).to(input_ids.device)
         self._draft_seconds = time.perf_counter() - start
         self._round_start = time.perf_counter()

@@ -294,25 +294,24 @@ class DraftTree:
         return self.tokens.shape[0]
 
 
-def _log_probs(drafter: PosSDrafter, features: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
-    return torch.log_softmax(drafter.logits(features, vocab).float(), dim=-1)
+def _log_probs(drafter: PosSDrafter, features: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(drafter.logits(features).float(), dim=-1)
 
 
 @torch.no_grad()
 def draft_tree(session: DraftSession, root_token: torch.LongTensor, depth: int, top_k: int,
-               total_tokens: int, deep_vocab: int | None = None) -> DraftTree:
+               total_tokens: int) -> DraftTree:
     """The draft tree of a single-row session (see `draft_trees`), rooted at `root_token` (0-dim)."""
-    return draft_trees(session, root_token.reshape(1), [depth], top_k, total_tokens, deep_vocab)[0]
+    return draft_trees(session, root_token.reshape(1), [depth], top_k, total_tokens)[0]
 
 
 @torch.no_grad()
 def draft_trees(session: DraftSession, root_tokens: torch.LongTensor, depths: list[int], top_k: int,
-                total_tokens: int, deep_vocab: int | None = None) -> list[DraftTree]:
+                total_tokens: int) -> list[DraftTree]:
     """EAGLE-2 dynamic trees with position specialists, one per row of `session`, rooted at `root_tokens` `[B]`.
 
     Depth 1 expands the root's top-k; each later depth feeds the `top_k` best frontier nodes through the specialist
-    of that position, takes each node's top-k by cumulative log-probability (over the first `deep_vocab` draft
-    tokens when given) and keeps the best `top_k` of `top_k^2` as the next frontier. All scored candidates are
+    of that position, takes each node's top-k by cumulative log-probability and keeps the best `top_k` of `top_k^2` as the next frontier. All scored candidates are
     reranked; the best `total_tokens - 1` (closed under ancestors, since a child never scores above its parent) form
     the tree with the root. Rows draft together to the deepest of `depths`; row b's tree takes the candidates of
     depth <= `depths[b]` only, which are the ones a draft of that depth scores.
@@ -358,7 +357,7 @@ def draft_trees(session: DraftSession, root_tokens: torch.LongTensor, depths: li
         first = session.add_nodes(inputs, d, frontier_nodes)
         _, node_features = session.run(config.specialist_for_position(d))
         node_features = node_features[:, -k:]  # [B, k, H]
-        child_scores, child_ids = _log_probs(drafter, node_features, deep_vocab).topk(k, dim=-1)  # [B, k, k]
+        child_scores, child_ids = _log_probs(drafter, node_features).topk(k, dim=-1)  # [B, k, k]
         cumulative = (frontier_scores[..., None] + child_scores).reshape(B, k * k)
         new = slice(count, count + k * k)
         cand_tokens[:, new] = drafter.to_target_ids(child_ids.reshape(B, k * k))
@@ -477,14 +476,12 @@ def graft_branch(tree: DraftTree, tokens: torch.LongTensor) -> DraftTree:
 
 
 @torch.no_grad()
-def draft_chain(session: DraftSession, depth: int, pick,
-                deep_vocab: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def draft_chain(session: DraftSession, depth: int, pick) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Draft `depth` tokens along one path.
 
     Args:
         pick: `pick(level, draft_logits [V']) -> (draft index (0-dim long), processed target-vocab logits [V])`,
-            choosing the token (top-1 or sampled) and returning the distribution it was chosen from; levels past
-            the first get the first `deep_vocab` draft logits only when that is given.
+            choosing the token (top-1 or sampled) and returning the distribution it was chosen from.
     Returns:
         (target token ids, one 0-dim tensor per level; processed logits `[V]` per level).
     """
@@ -495,7 +492,7 @@ def draft_chain(session: DraftSession, depth: int, pick,
     session.begin_round(depth - 1)
     feature = session.run(config.specialist_for_position(1))[0][0]
     for level in range(1, depth + 1):
-        draft_index, processed = pick(level, drafter.logits(feature, deep_vocab if level > 1 else None).float())
+        draft_index, processed = pick(level, drafter.logits(feature).float())
         token = drafter.to_target_ids(draft_index)
         tokens.append(token)
         logits.append(processed)

@@ -7,8 +7,8 @@ unchanged unless the assistant is a PosS drafter (recognised by `is_poss_drafter
 not by class, so remote-code loads work too). With a PosS drafter:
 
 - `_validate_generation_mode`: checks the request before any work (target compatibility, unsupported options);
-- `_assisted_decoding`: checks the inputs, binds the drafter, and runs the tree loop for `draft_mode="tree"` (the
-  batched tree loop for a batch or padded prompt);
+- `_assisted_decoding`: checks the inputs, binds the drafter, and runs the tree loop (`decoding`) for
+  `draft_mode="tree"`, for one prompt or a batch;
 - `_get_candidate_generator`: returns `PosSCandidateGenerator` for `draft_mode="chain"`.
 
 The originals stay in `_originals`.
@@ -24,10 +24,10 @@ import transformers
 from packaging import version
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from .batch_decoding import batch_tree_assisted_decoding, left_padding
+from .cache_surgery import has_sliding_window
 from .candidate_generator import PosSCandidateGenerator
+from .decoding import left_padding, tree_assisted_decoding
 from .stats import PosSGenerateOutput
-from .tree_decoding import has_sliding_window, tree_assisted_decoding
 
 MIN_TRANSFORMERS = "5.24.0"
 MAX_TRANSFORMERS_EXCLUSIVE = "6.0.0"
@@ -108,9 +108,6 @@ def validate_request(target, drafter, generation_config, generation_mode_kwargs)
     """All checks that can run before any forward pass; raises `ValueError`."""
     drafter.generation_config.validate()
     drafter.check_compatible(target)
-    if drafter.generation_config.deep_draft_vocab is not None and drafter.config.draft_vocab_size is None:
-        raise ValueError("deep_draft_vocab needs a drafter with a reduced draft vocabulary (draft_vocab_size); this "
-                         "one drafts over the target's whole vocabulary: leave deep_draft_vocab=None")
     problems = _unsupported_options(generation_config, generation_mode_kwargs)
     if problems:
         raise ValueError("generate() with a PosS drafter does not support: " + "; ".join(problems))
@@ -139,19 +136,18 @@ def _poss_validate_generation_mode(self, generation_mode, generation_config, gen
 
 
 def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    """Check the inputs (`input_ids` is `[B, prompt_len]`), bind the drafter, run the chain, tree or batched tree loop
-    (a batch, or a padded prompt, in tree mode), on 8-bit draft weights where the drafter's settings say so."""
+    """Check the inputs (`input_ids` is `[B, prompt_len]`), bind the drafter, run the chain or the tree loop, on 8-bit
+    draft weights where the drafter's `int8_draft_weights` says so."""
     drafter = kwargs["assistant_model"]
-    with drafter.int8_weights(drafter.generation_config.int8_draft_weights):
+    with drafter.int8_weights(drafter.int8_draft_weights):
         return _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
 
 
 def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
     drafter = kwargs.get("assistant_model")
     attention_mask = kwargs.get("attention_mask")
-    batched = input_ids.shape[0] > 1 or (attention_mask is not None and not bool(attention_mask.all()))
-    if batched:
-        _check_batch_request(drafter, generation_config, attention_mask, kwargs.get("streamer"))
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    _check_batch_request(drafter, generation_config, input_ids.shape[0], padded, attention_mask, kwargs.get("streamer"))
     check_sliding_window(self, drafter, input_ids.shape[1], generation_config.max_length)
     drafter.bind_target(self)
     drafter.eval()
@@ -172,35 +168,30 @@ def _decode(self, input_ids, logits_processor, stopping_criteria, generation_con
     kwargs.pop("assistant_model")
     for unused in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "synced_gpus"):
         kwargs.pop(unused, None)
-    if batched:
-        kwargs.pop("streamer", None)
-        return batch_tree_assisted_decoding(
-            self, input_ids, logits_processor, stopping_criteria, generation_config, drafter, **kwargs
-        )
-    kwargs.pop("attention_mask", None)
     return tree_assisted_decoding(
         self, input_ids, logits_processor, stopping_criteria, generation_config, drafter, **kwargs
     )
 
 
-def _check_batch_request(drafter, generation_config, attention_mask, streamer) -> None:
-    """What a batch (or padded prompt) cannot do, refused before any work with the alternative named."""
+def _check_batch_request(drafter, generation_config, batch_size: int, padded: bool, attention_mask,
+                         streamer) -> None:
+    """What a batch (or a padded prompt) cannot do, refused before any work with the alternative named."""
     problems = []
-    if drafter.generation_config.draft_mode != "tree":
+    if drafter.generation_config.draft_mode != "tree" and (batch_size > 1 or padded):
         problems.append(
             f"draft_mode={drafter.generation_config.draft_mode!r} (it verifies one unpadded prompt; use "
             "draft_mode='tree', e.g. assistant_model=drafter.with_generation_config(draft_mode='tree'))"
         )
-    if streamer is not None:
+    if batch_size > 1 and streamer is not None:
         problems.append("a streamer (rows advance by different numbers of tokens; stream one prompt at a time)")
     per_step_outputs = generation_config.output_scores or generation_config.output_logits
-    if generation_config.return_dict_in_generate and per_step_outputs:
+    if batch_size > 1 and generation_config.return_dict_in_generate and per_step_outputs:
         problems.append("output_scores / output_logits (rows advance by different numbers of tokens; generate one "
                         "prompt at a time for per-step scores)")
     if problems:
         raise ValueError("generate() with a PosS drafter on a batch or padded prompt does not support: "
                          + "; ".join(problems))
-    if attention_mask is not None:
+    if padded:
         left_padding(attention_mask)
 
 

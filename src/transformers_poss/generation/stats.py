@@ -11,19 +11,6 @@ from ..metrics import mean_acceptance_length, position_acceptance
 
 
 @dataclass
-class RoundTrace:
-    """One tree round as `poss tune` replays it.
-
-    Attributes:
-        candidates: the `DraftCandidates` the round's tree was cut from (None when only the root was verified).
-        target_tokens: the accepted draft tokens followed by the target's own next token.
-    """
-
-    candidates: object
-    target_tokens: list[int]
-
-
-@dataclass
 class GenerationStats:
     """Per-round record of a speculative `generate` call (`output.speculative_stats` with
     `return_dict_in_generate=True`).
@@ -38,8 +25,6 @@ class GenerationStats:
         new_tokens: tokens generated in total (prefill token included).
         lookup_tokens: accepted draft tokens that only the grafted prompt-lookup branch proposed (tree mode with
             `lookup_num_tokens`; counted in `acceptance_lengths` too).
-        round_traces: per-round `RoundTrace`s when the drafter's `generation_config.record_round_traces` is set
-            (tree mode; `poss tune`).
     """
 
     draft_mode: str
@@ -51,16 +36,13 @@ class GenerationStats:
     tree_sizes: list[int] = field(default_factory=list)
     new_tokens: int = 0
     lookup_tokens: int = 0
-    round_traces: list[RoundTrace] | None = None
 
     @classmethod
     def pooled(cls, rows: list[GenerationStats]) -> GenerationStats:
         """The rounds of every row of a batched call as one record (each row's round is one round here)."""
-        traces = [row.round_traces for row in rows if row.round_traces is not None]
         pooled = cls(draft_mode=rows[0].draft_mode, tree_depth=rows[0].tree_depth,
                      new_tokens=sum(row.new_tokens for row in rows),
-                     lookup_tokens=sum(row.lookup_tokens for row in rows),
-                     round_traces=[trace for row_traces in traces for trace in row_traces] if traces else None)
+                     lookup_tokens=sum(row.lookup_tokens for row in rows))
         for name in ("acceptance_lengths", "draft_seconds", "verify_seconds", "bookkeeping_seconds", "tree_sizes"):
             setattr(pooled, name, [value for row in rows for value in getattr(row, name)])
         return pooled
