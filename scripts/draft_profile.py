@@ -24,7 +24,6 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--total", type=int, default=12)
-    parser.add_argument("--deep-vocab", type=int, default=None, help="deep_draft_vocab (default: the whole vocabulary)")
     parser.add_argument("--cold", action="store_true",
                         help="stream 300 MB through the cache before each round, as a target forward does")
     parser.add_argument("--int8", action="store_true", help="int8_draft_weights: 8-bit copies of the draft weights")
@@ -49,7 +48,7 @@ def main() -> None:
         if flush is not None:
             flush.add_(1.0)
         start = time.perf_counter()
-        draft_tree(session, ids[0, -1], args.depth, args.top_k, args.total, args.deep_vocab)
+        draft_tree(session, ids[0, -1], args.depth, args.top_k, args.total)
         session.end_round()
         return time.perf_counter() - start
 

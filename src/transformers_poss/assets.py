@@ -277,12 +277,12 @@ def available_default_drafters() -> dict[str, Path]:
 
 def load_drafter(folder, **options):
     """`PosSDrafter.from_pretrained(folder, **options)`, with a shipped drafter's kernel choices (`SHIPPED_KERNELS`)
-    when `folder` is one of the shipped folders (options given here win)."""
+    when `folder` is one of the shipped folders (options given here, unless None, win)."""
     from .modeling_poss import PosSDrafter
 
     shipped = {default_drafter_path(name).resolve(): name for name in DEFAULT_DRAFTERS}
     kernels = SHIPPED_KERNELS.get(shipped.get(Path(folder).expanduser().resolve()), {})
-    return PosSDrafter.from_pretrained(folder, **{**kernels, **options})
+    return PosSDrafter.from_pretrained(folder, **{**kernels, **{k: v for k, v in options.items() if v is not None}})
 
 
 def load_default_drafter(name: str = "poss2", target=None):
