@@ -311,12 +311,36 @@ def test_corrupted_checkpoints_are_refused(tmp_path, edit, message):
         PosSDrafter.from_pretrained(folder, target=target)
 
 
-def test_wrong_target_stacked_drafters_and_unknown_depth_are_refused(tmp_path):
+def test_a_checkpoint_without_its_fused_layers_takes_them_from_the_target_it_binds_to(tmp_path):
+    """A SafeAILab/SpecForge folder names no fused layers: it loads alone and `generate` resolves them from the
+    target's depth (EAGLE-3's `[2, L // 2, L - 3]`), drafting as a drafter loaded with the depth; a target too shallow
+    to decide them is refused, naming why, before any work."""
+    target, fitted = fitted_eagle3("llama")
+    write_layout(first_specialist(fitted), tmp_path / "sf", "specforge")
+    alone = PosSDrafter.from_pretrained(tmp_path / "sf")
+    assert alone.config.feature_layers is None
+    with pytest.raises(ValueError, match="bind"):
+        alone.config.input_feature_layers
+    shallow = tiny_target("llama", num_hidden_layers=4)
+    with pytest.raises(ValueError, match="fuses.*at least 7 layers"):
+        shallow.generate(prompts(96, 1)[0], max_new_tokens=4, do_sample=False, assistant_model=alone)
+    prompt = prompts(96, 1)[0]
+    out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=alone,
+                          return_dict_in_generate=True)
+    assert alone.config.feature_layers == [2, LAYERS // 2, LAYERS - 3]
+    assert out.sequences.tolist() == target.generate(prompt, max_new_tokens=20, do_sample=False).tolist()
+    with_depth = PosSDrafter.from_pretrained(tmp_path / "sf", num_target_layers=LAYERS)
+    again = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=with_depth,
+                            return_dict_in_generate=True)
+    assert again.speculative_stats.acceptance_lengths == out.speculative_stats.acceptance_lengths
+    alone.save_pretrained(tmp_path / "native")  # resolved: saved with its layers
+    assert PosSDrafter.from_pretrained(tmp_path / "native").config.feature_layers == alone.config.feature_layers
+
+
+def test_wrong_target_and_stacked_drafters_are_refused(tmp_path):
     target = eagle3_target("llama")
     source = random_eagle3(target)
     write_layout(source, tmp_path / "sf", "specforge")
-    with pytest.raises(ValueError, match="needs the target's depth"):
-        PosSDrafter.from_pretrained(tmp_path / "sf")
     other = tiny_target("llama", num_hidden_layers=LAYERS, vocab_size=128)
     loaded = PosSDrafter.from_pretrained(tmp_path / "sf", num_target_layers=LAYERS)
     with pytest.raises(ValueError, match="vocab_size"):  # bound before any drafting

@@ -19,6 +19,8 @@ FAMILY_CLASSES = {
 DRAFT_MODES = ("tree", "chain")
 # "eagle": EAGLE-1/2, HASS and PosS drafters; "eagle3": EAGLE-3 drafters (see `PosSConfig`).
 DRAFTER_TYPES = ("eagle", "eagle3")
+# Target hidden states an EAGLE-3 drafter fuses (low, mid, high) in every release.
+EAGLE3_FUSED_STATES = 3
 # Keys of a target's text config that an EAGLE-3 specialist (always a Llama layer, as in every EAGLE-3 release) reads.
 EAGLE3_LAYER_KEYS = (
     "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -92,6 +94,8 @@ class PosSConfig(PretrainedConfig):
             vocabulary (`draft_vocab_size`, the full vocabulary when unset); later draft positions read the
             specialist's own output before that norm. The target forward is asked for `feature_layers + [-1]`
             (`input_feature_layers`): the final state costs nothing there and gives training its target logits.
+            A checkpoint that does not name its fused layers leaves `feature_layers` None until the drafter binds to
+            its target, whose depth then gives the default (`resolve_feature_layers`).
         norm_before_residual (`bool`): EAGLE-3 only: the residual around attention is `hidden_norm(hidden)` instead
             of `hidden` (speculators' option; SafeAILab and SpecForge checkpoints use `False`).
         draft_layer_config (`dict`, *optional*): EAGLE-3 only: the Llama config of the specialist layers (heads, KV
@@ -165,8 +169,33 @@ class PosSConfig(PretrainedConfig):
         """The `output_hidden_states` indices of the target features the drafter reads, the final state (`-1`)
         last: `[-1]` by default, `feature_layers` for a fusing drafter, `feature_layers + [-1]` for EAGLE-3."""
         if self.is_eagle3:
+            if self.feature_layers is None:
+                raise ValueError(
+                    "This EAGLE-3 drafter's fused target layers are resolved from its target's depth when it binds to "
+                    "the target: call drafter.bind_target(target) (generate does) or pass target= when loading"
+                )
             return [*self.feature_layers, -1]
         return list(self.feature_layers) if self.feature_layers else [-1]
+
+    @property
+    def num_fused_states(self) -> int:
+        """How many target hidden states `fc` (EAGLE-3) or `fuse` reads: `len(input_feature_layers)` (EAGLE-3:
+        `len(feature_layers)`, `EAGLE3_FUSED_STATES` while they are unresolved)."""
+        if self.is_eagle3:
+            return EAGLE3_FUSED_STATES if self.feature_layers is None else len(self.feature_layers)
+        return len(self.input_feature_layers)
+
+    def resolve_feature_layers(self, num_target_layers: int) -> None:
+        """Set an EAGLE-3 drafter's fused layers from its target's depth (`default_eagle3_feature_layers`) when its
+        checkpoint did not name them; `ValueError` when that target cannot decide them."""
+        if not self.is_eagle3 or self.feature_layers is not None:
+            return
+        try:
+            layers = default_eagle3_feature_layers(num_target_layers)
+        except ValueError as error:
+            raise ValueError(f"This EAGLE-3 drafter does not name the target layers it fuses: {error}") from None
+        self.feature_layers = layers
+        self.target_config["num_hidden_layers"] = num_target_layers
 
     @property
     def layer_family(self) -> str | None:
@@ -273,11 +302,6 @@ class PosSConfig(PretrainedConfig):
             raise ValueError(
                 f"EAGLE-3 layers of hidden_size {self.draft_layer_config['hidden_size']} cannot read the target's "
                 f"embedding of hidden_size {self.hidden_size} (drafters with their own embedding are not supported)"
-            )
-        if self.feature_layers is None:
-            raise ValueError(
-                "An EAGLE-3 drafter needs feature_layers (the target hidden states fc fuses); the default "
-                "[2, L // 2, L - 3] needs the target's num_hidden_layers L in target_config"
             )
         if self.draft_head_rows is not None:
             raise ValueError("PosSConfig.draft_head_rows maps target lm_head rows; EAGLE-3 drafters own their head")

@@ -128,14 +128,14 @@ class PosSDrafter(PosSPreTrainedModel):
         layer_class, rotary_class = family_classes(config.layer_family)
         hidden = config.hidden_size
         if config.is_eagle3:
-            self.fc = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=config.fc_bias)
+            self.fc = nn.Linear(config.num_fused_states * hidden, hidden, bias=config.fc_bias)
             self.fuse = None
             self.specialists = nn.ModuleList(Eagle3DecoderLayer(layer_config, i, config.norm_before_residual)
                                              for i in range(config.num_specialists))
             self.norm = LlamaRMSNorm(hidden, eps=layer_config.rms_norm_eps)
         else:
             self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
-            n_feature_layers = len(config.input_feature_layers)
+            n_feature_layers = config.num_fused_states
             self.fuse = nn.Linear(n_feature_layers * hidden, hidden, bias=False) if n_feature_layers > 1 else None
             self.specialists = nn.ModuleList(layer_class(layer_config, layer_idx=i)
                                              for i in range(config.num_specialists))
@@ -292,7 +292,9 @@ class PosSDrafter(PosSPreTrainedModel):
             "hidden_size": (expected.get("hidden_size"), target_config.hidden_size),
             "vocab_size": (expected.get("vocab_size"), target_model.get_output_embeddings().weight.shape[0]),
         }
-        if len(self.config.input_feature_layers) > 1:  # hidden-state indices name the same layers only at one depth
+        if self.config.is_eagle3 and self.config.feature_layers is None:  # resolved by `bind_target`: can it be?
+            copy.deepcopy(self.config).resolve_feature_layers(target_config.num_hidden_layers)
+        if self.config.num_fused_states > 1:  # hidden-state indices name the same layers only at one depth
             facts["num_hidden_layers"] = (expected.get("num_hidden_layers"), target_config.num_hidden_layers)
         for name, (drafter_value, target_value) in facts.items():
             if drafter_value is None and self.config.is_eagle3:  # EAGLE-3 checkpoints need not name the family
@@ -305,8 +307,10 @@ class PosSDrafter(PosSPreTrainedModel):
                 )
 
     def bind_target(self, target_model: PreTrainedModel, move: bool = True) -> "PosSDrafter":
-        """Use `target_model`'s embedding and `lm_head`; move the drafter beside the `lm_head` (device and dtype)."""
+        """Use `target_model`'s embedding and `lm_head`; move the drafter beside the `lm_head` (device and dtype). An
+        EAGLE-3 drafter whose checkpoint did not name its fused target layers gets them from `target_model`'s depth."""
         self.check_compatible(target_model)
+        self.config.resolve_feature_layers(target_model.config.get_text_config().num_hidden_layers)
         lm_head = target_model.get_output_embeddings()
         self._bound = {
             "target": target_model,

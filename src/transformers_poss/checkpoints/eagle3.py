@@ -41,7 +41,8 @@ code here: its layout is inferred (SpecForge's, one EAGLE-3 layer per specialist
 `t2d`); a stored embedding is dropped (the target's is used; with `target=` it must equal the target's). The fused
 states are `eagle_aux_hidden_state_layer_ids` when the config names them (speculators, newer SpecForge under
 `eagle_config`), else EAGLE-3's default `[2, L // 2, L - 3]`, which needs the target's depth `L`: from `target=`
-(a model or a local folder), `num_target_layers=`, or a known repo (`EAGLE3_PRESETS`). RoPE, heads, MLP width and
+(a model or a local folder), `num_target_layers=`, or a known repo (`EAGLE3_PRESETS`); without any of them the
+drafter loads all the same and takes `L` from the target it binds to (`generate` binds it). RoPE, heads, MLP width and
 RMSNorm eps come from the drafter's own config (not the target's). Missing, extra or mis-shaped tensors, a stacked
 drafter (layers after the first reading `H`, not `2H`), attention or MLP biases and layer types other than Llama are
 refused with a `ValueError` before any weight is loaded.
@@ -174,12 +175,6 @@ def eagle3_poss_config(checkpoint: ResearchCheckpoint, num_specialists: int | No
     eagle_config = config.get("eagle_config") if isinstance(config.get("eagle_config"), dict) else {}
     feature_layers = overrides.pop("feature_layers", None) or config.get("eagle_aux_hidden_state_layer_ids") \
         or eagle_config.get("eagle_aux_hidden_state_layer_ids")
-    if feature_layers is None and depth is None:
-        raise ValueError(
-            f"{checkpoint.source} does not say which target hidden states it fuses, and EAGLE-3's default "
-            "[2, L // 2, L - 3] needs the target's depth L: pass target=<model or local folder>, "
-            "num_target_layers=L or feature_layers=[...]"
-        )
     _, prefixes = layer_prefixes(checkpoint.state_dict)
     found = len(prefixes)
     if num_specialists is not None and num_specialists != found:
