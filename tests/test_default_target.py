@@ -1,7 +1,8 @@
 """The real default target (SmolLM2-135M-Instruct, float32): greedy speculative outputs are token-identical.
 
 Slow (real model; the first run downloads and converts it, about a minute). The drafter is fitted inside the test on
-the target's own greedy answers (teacher forcing, a few dozen steps); the shipped drafter is tested too once it exists.
+the target's own greedy answers (teacher forcing, a few dozen steps); the shipped drafter is tested too (a missing one
+fails, as a packaging regression should).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from drafter_fitting import fit_drafter_to_sequences
 
 from transformers_poss import PosSDrafter
 from transformers_poss.assets import (
-    DEFAULT_TARGET_NAME, END_OF_TURN_TOKEN, available_default_drafters, load_default_drafter, load_default_target,
+    DEFAULT_TARGET_NAME, END_OF_TURN_TOKEN, load_default_drafter, load_default_target,
 )
 from transformers_poss.metrics import mean_acceptance_length
 
@@ -88,8 +89,6 @@ def test_fitted_drafter_is_lossless_and_accepts(target_and_tokenizer, prompts_an
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 def test_shipped_drafter_is_lossless_and_accepts(target_and_tokenizer, prompts_and_references, mode):
-    if "poss2" not in available_default_drafters():
-        pytest.skip("the shipped PosS-2 drafter is not in this installation yet")
     target, _ = target_and_tokenizer
     drafter = load_default_drafter("poss2", target).with_generation_config(**BUDGET)
     tau = _check_identity(target, drafter, mode, *prompts_and_references)
@@ -99,8 +98,6 @@ def test_shipped_drafter_is_lossless_and_accepts(target_and_tokenizer, prompts_a
 def test_shipped_drafter_on_a_padded_batch_is_identical_row_by_row(target_and_tokenizer):
     """A left-padded batch of 4 chat prompts (fp32, tree mode, with the lookup branch): every row equals plain
     batched `generate`'s."""
-    if "poss2" not in available_default_drafters():
-        pytest.skip("the shipped PosS-2 drafter is not in this installation yet")
     target, tokenizer = target_and_tokenizer
     chats = CHATS + ["List three uses of a paperclip.", "Explain what a hash table is to a child, briefly."]
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True,
