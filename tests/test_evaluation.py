@@ -363,6 +363,32 @@ def test_poss_bench_command_end_to_end(fitted_pairs, tokenizer, prompt_folder, t
     assert (out / "acceptance.png").is_file() and (out / "speedup.png").is_file()
 
 
+def test_bench_and_poss_turns_split_new_questions_from_follow_ups(fitted_pairs, tokenizer, prompt_folder, tmp_path,
+                                                                    capsys):
+    from transformers_poss.cli import main as poss_main
+
+    target, drafter = fitted_pairs("llama")
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    out = tmp_path / "out"
+    code = bench_main([
+        "--target", str(tmp_path / "target"), "--drafter", f"mine={tmp_path / 'drafter'}", "--prompts",
+        str(prompt_folder / "mt_bench.jsonl"), "--max-new-tokens", "4", "--dtype", "float32", "--modes", "tree",
+        "--prompt-lookup", "0", "--output-dir", str(out), "--quiet",
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for kind in ("new questions", "follow-ups", "all"):
+        assert f"| {kind} | mine-tree | 2 |" in printed or (kind == "all" and "| all | mine-tree | 4 |" in printed)
+    assert (out / "turns.png").is_file() and "follow-ups" in (out / "results.md").read_text()
+    assert poss_main(["turns", str(out / "results.json"), "--plot", str(tmp_path / "t.png")]) == 0
+    assert "| follow-ups | mine-tree | 2 |" in capsys.readouterr().out and (tmp_path / "t.png").is_file()
+    (tmp_path / "bad.json").write_text("{}")
+    assert poss_main(["turns", str(tmp_path / "bad.json")]) == 2
+    assert "not a poss bench results.json" in capsys.readouterr().err
+
+
 def test_poss_bench_command_rejects_bad_input_before_loading(tmp_path, prompt_folder, capsys):
     assert bench_main(["--target", "default", "--drafter", f"x={tmp_path}", "--prompts", str(prompt_folder)]) == 2
     assert "not a drafter folder" in capsys.readouterr().err

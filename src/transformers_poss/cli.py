@@ -13,6 +13,7 @@ SUBCOMMAND_MODULES = (
     "transformers_poss.assets",
     "transformers_poss.evaluation.cli",
     "transformers_poss.evaluation.compare",
+    "transformers_poss.evaluation.turns",
     "transformers_poss.training.cli",
     "transformers_poss.hub",
     "transformers_poss.checkpoints.cli",

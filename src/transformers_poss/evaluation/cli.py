@@ -149,6 +149,7 @@ def run_bench(args) -> int:
     from .prompts import load_prompt_sets
     from .report import environment, markdown_table, summarize, write_json, write_plots
     from .runner import run_benchmark
+    from .turns import has_follow_ups, plot_turns, split, turn_table
 
     try:
         _check_args(args)
@@ -215,6 +216,12 @@ def run_bench(args) -> int:
     json_path = write_json(output / "results.json", run, rows, env)
     (output / "results.md").write_text(table + "\n")
     plots = [] if args.no_plots else write_plots(output, rows)
+    if has_follow_ups(run.to_dicts()):  # new questions and follow-ups apart (`poss turns`)
+        turns = split(run.to_dicts())
+        print("\n" + turn_table(turns))
+        (output / "results.md").write_text(table + "\n\n" + turn_table(turns) + "\n")
+        if not args.no_plots:
+            plots.append(plot_turns(turns, env, output / "turns.png"))
     log(f"wrote {json_path}" + "".join(f", {p}" for p in plots))
     return 0
 
