@@ -28,7 +28,8 @@
 # `run` (tests + bench where everything is already there, e.g. `bash scripts/gpu_check.sh bench --device cpu --tiny`).
 # Environment: GPU_CHECK_TESTS=0 skips the test suite, GPU_CHECK_TESTS=cuda runs only the files that put models on
 # the GPU; GPU_CHECK_TEST_WORKERS (default 4, 0 = serial) pytest-xdist workers; GPU_CHECK_TESTS_S (300) and
-# GPU_CHECK_BENCH_S (420) time limits; GPU_CHECK_BENCH_BUDGET_S (300) no new batch size after it; PYTHON (python3).
+# GPU_CHECK_BENCH_S (420) time limits; GPU_CHECK_BENCH_BUDGET_S (300) no new batch size after it; PYTHON (python3);
+# GPU_CHECK_STAGE (gpu_stage) the staged folder, set by `stage DIR` in the calls it prints.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,6 +46,7 @@ setup_env() {
     export PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}"
     [ -d "$CACHE" ] && export TRANSFORMERS_POSS_CACHE="$CACHE/poss"
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 USE_HUB_KERNELS=0 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+    export TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1  # the device returns only the output's last 12,000 characters
 }
 
 left() {  # seconds a phase may take: its own cap, within the command's deadline
@@ -87,7 +89,8 @@ run_tests() {
     local limit
     limit=$(left "${GPU_CHECK_TESTS_S:-300}")
     echo "== tests: POSS_TEST_DEVICE=$device pytest -m 'not slow' ${extra[*]} ${files[*]} (limit ${limit} s)"
-    POSS_TEST_DEVICE=$device timeout "$limit" "$PY" -m pytest -q -m "not slow" -p no:cacheprovider "${extra[@]}" \
+    # SIGINT first: pytest then prints its summary of what ran (failures included) before it stops
+    POSS_TEST_DEVICE=$device timeout -s INT -k 30 "$limit" "$PY" -m pytest -q -m "not slow" -p no:cacheprovider "${extra[@]}" \
         "${files[@]}" 2>&1 | tee "$OUT/tests.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] && echo "== tests: stopped at the ${limit} s limit"
@@ -101,7 +104,7 @@ run_bench() {
     local limit
     limit=$(left "${GPU_CHECK_BENCH_S:-420}")
     echo "== bench: gpu_check.py ${prompts[*]} $* (limit ${limit} s)"
-    timeout "$limit" "$PY" scripts/gpu_check.py "${prompts[@]}" "$@"
+    timeout -s INT -k 30 "$limit" "$PY" scripts/gpu_check.py "${prompts[@]}" "$@"
     local rc=$?
     [ "$rc" = 124 ] && echo "== bench: stopped at the ${limit} s limit; the tables hold what finished"
     return "$rc"
@@ -119,7 +122,7 @@ convert_target() {  # the library's own conversion, from the carried wheel; a no
 
 device_call() {  # one device call: gather the carried part; then whatever the gathered parts allow
     echo "== $(date -u '+%H:%M:%S') device call in $ROOT"
-    "$PY" scripts/gpu_stage.py unpack || return 2
+    "$PY" scripts/gpu_stage.py unpack --stage "${GPU_CHECK_STAGE:-gpu_stage}" || return 2
     setup_env
     local state have_site have_wheel rc=0
     state=$("$PY" -c "import json; s = json.load(open('$CACHE/state.json')); \

@@ -150,7 +150,8 @@ def stage(args) -> int:
     target_wheel = Path(args.wheel) if args.wheel else pip_download(f"{TARGET_PACKAGE}=={TARGET_VERSION}",
                                                                     downloads, binary_for_device=False)
     site_wheels = []
-    for package in SITE_PACKAGES:
+    extra = [name for name in (args.extra_packages or "").split(",") if name]
+    for package in list(SITE_PACKAGES) + extra:
         try:
             version = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -208,12 +209,15 @@ def stage(args) -> int:
              f"{', '.join(mib(s) for s in sizes)}; each call {mib(tree)} of tree + its part (limit 64 MiB)",
              "# Make these device calls one right after another (the machine stays warm ~30 s after each);",
              "# the same command every time, only `carry` changes:"]
+    command = "bash scripts/gpu_check.sh device"
+    if str(rel) != "gpu_stage":
+        command = f"GPU_CHECK_STAGE={rel} {command}"
     for index in range(1, total + 1):
         note = {1: "environment check + CUDA test suite", total: "target conversion + benchmark tables"}.get(index,
                                                                                                             "unpack")
         if total == 1:
             note = "environment check, test suite, target conversion, benchmark"
-        lines.append(f'run(command="bash scripts/gpu_check.sh device", carry=["{rel}/part-{index}"], '
+        lines.append(f'run(command="{command}", carry=["{rel}/part-{index}"], '
                      f"timeout_s=600)   # {note}")
     text = "\n".join(lines) + "\n"
     (out / "RUN_CALLS.txt").write_text(text)
@@ -313,6 +317,9 @@ def main(argv=None) -> int:
     s.add_argument("--part-mib", type=float, default=None, help="part size (default: what the tree leaves)")
     s.add_argument("--margin-mib", type=float, default=2.0, help="kept free per call for the tree to grow")
     s.add_argument("--root", default=str(ROOT), help="the checkout (default: this script's)")
+    s.add_argument("--extra-packages", default=os.environ.get("GPU_CHECK_EXTRA_PACKAGES"),
+                   help="more installed packages to carry, comma-separated (e.g. regex,tokenizers), in the versions "
+                        "installed here: when the device's own are too old")
     s.set_defaults(func=stage)
     for name, func in (("unpack", unpack), ("status", status)):
         p = sub.add_parser(name)

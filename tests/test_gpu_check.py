@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -33,7 +34,16 @@ def _prompts(path: Path) -> Path:
     return path
 
 
-def test_gpu_check_runs_on_the_cpu_and_writes_the_tables(tmp_path):
+@pytest.fixture
+def one_thread():
+    """The tiny run's operations are too small to share: one thread, and no OpenMP threads spinning on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_gpu_check_runs_on_the_cpu_and_writes_the_tables(tmp_path, one_thread):
     gpu_check = _load("gpu_check")
     out = tmp_path / "out"
     code = gpu_check.main(["--device", "cpu", "--tiny", "--batch-sizes", "1,2", "--num-prompts", "2",
