@@ -382,16 +382,19 @@ def environment(device, dtype, args, drafter, target) -> list[list]:
         models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
         name = models[0] if models else platform.processor() or "cpu"
     budget = {k: getattr(drafter.generation_config, k, None) for k in BUDGET_FIELDS}
-    rows = [["device", f"{device}: {name}"], ["torch / transformers", f"{torch.__version__} / {transformers.__version__}"],
+    rows = [["device", f"{device}: {name}"],
+            ["torch / transformers", f"{torch.__version__} / {transformers.__version__}"],
             ["transformers_poss", getattr(transformers_poss, "__version__", "?")],
-            ["dtype (speed tables)", str(dtype).replace("torch.", "")],
-            ["target", "tiny random Llama" if args.tiny else f"{args.target} ({type(target).__name__}, "
-                                                             f"{sum(p.numel() for p in target.parameters()) / 1e6:.1f}M)"],
-            ["drafter", "tiny random PosS (3 specialists)" if args.tiny else args.drafter],
-            ["shipped budget (drafter.generation_config)", ", ".join(f"{k}={v}" for k, v in budget.items())],
-            ["paper budget", ", ".join(f"{k}={v}" for k, v in PAPER_BUDGET.items())],
-            ["prompts", f"{args.prompts} (first turns, categories interleaved, chat template)"],
-            ["max new tokens", str(args.max_new_tokens)]]
+            ["dtype (speed tables)", str(dtype).replace("torch.", "")]]
+    size = f"{sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters"
+    rows += [["target", f"tiny random Llama ({size})" if args.tiny else f"{args.target} ({type(target).__name__}, "
+                                                                          f"{size})"],
+             ["drafter", "tiny random PosS (3 specialists)" if args.tiny else args.drafter],
+             ["drafter.generation_config (shipped; a per-device entry may replace it: see the warnings)",
+              ", ".join(f"{k}={v}" for k, v in budget.items())],
+             ["paper budget", ", ".join(f"{k}={v}" for k, v in PAPER_BUDGET.items())],
+             ["prompts", f"{args.prompts} (first turns, categories interleaved, chat template)"],
+             ["max new tokens", str(args.max_new_tokens)]]
     if not str(device).startswith("cuda"):
         rows.append(["CPU capability", str(torch.backends.cpu.get_cpu_capability())])
     return rows
@@ -402,8 +405,9 @@ def render(args, dtype, report: dict, cells: dict, elapsed: float) -> str:
     sections = [("Environment", table(["", ""], report["environment"]))]
     identity = report["identity"]
     if identity is None:  # the benchmark itself ran in fp32: its rows against plain's are the identity check
-        identity = [[f"batch {b}, {c['rows']} rows", n, c["new_tokens"], c["new_tokens"],
-                     f"{c['same_as_plain']}/{c['rows']}", "-" if c["same_as_plain"] == c["rows"] else "see json"]
+        identity = [[f"batch {b}, {c['rows']} rows", n, cells[(b, "plain")]["new_tokens"] if (b, "plain") in cells
+                     else "n/a", c["new_tokens"], f"{c['same_as_plain']}/{c['rows']}",
+                     "-" if c["same_as_plain"] == c["rows"] else "see the speed table"]
                     for (b, n), c in cells.items() if n != "plain"]
     sections.append(("fp32 identity (greedy: speculative rows == plain generate's)",
                      table(["case", "method", "plain new tokens", "speculative new tokens", "identical rows",
@@ -414,7 +418,8 @@ def render(args, dtype, report: dict, cells: dict, elapsed: float) -> str:
     sections.append(("The round's time split (`speculative_stats.time_split()` per target forward; other = the rest of "
                      "the call: prefill, generate's own loop)", split_table(cells)))
     if WARNINGS:
-        sections.append(("Warnings from generate (count)", "\n".join(f"- ({n}x) {text}" for text, n in WARNINGS.items())))
+        sections.append(("Warnings from generate (count)",
+                         "\n".join(f"- ({n}x) {text}" for text, n in WARNINGS.items())))
     if report["skipped"]:
         sections.append(("Skipped", f"batch sizes {report['skipped']}: the time budget ({args.budget_s:.0f} s) "
                                     "was spent"))

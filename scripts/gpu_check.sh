@@ -90,8 +90,8 @@ run_tests() {
     limit=$(left "${GPU_CHECK_TESTS_S:-300}")
     echo "== tests: POSS_TEST_DEVICE=$device pytest -m 'not slow' ${extra[*]} ${files[*]} (limit ${limit} s)"
     # SIGINT first: pytest then prints its summary of what ran (failures included) before it stops
-    POSS_TEST_DEVICE=$device timeout -s INT -k 30 "$limit" "$PY" -m pytest -q -m "not slow" -p no:cacheprovider "${extra[@]}" \
-        "${files[@]}" 2>&1 | tee "$OUT/tests.log"
+    POSS_TEST_DEVICE=$device timeout -s INT -k 30 "$limit" \
+        "$PY" -m pytest -q -m "not slow" -p no:cacheprovider "${extra[@]}" "${files[@]}" 2>&1 | tee "$OUT/tests.log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" = 124 ] && echo "== tests: stopped at the ${limit} s limit"
     echo "== tests: exit $rc ($(tail -n 1 "$OUT/tests.log"))"
@@ -177,7 +177,8 @@ case "$mode" in
         exit "$rc"
         ;;
     *)
-        echo "usage: $0 stage [DIR] [--wheel W] [--prompts F] | device | unpack | status | tests [ARGS] | bench [ARGS] | run [ARGS]" >&2
+        echo "usage: $0 stage [DIR] [--wheel W] [--prompts F] | device | unpack | status" \
+             "| tests [PYTEST ARGS] | bench [gpu_check.py ARGS] | run [ARGS]" >&2
         exit 2
         ;;
 esac

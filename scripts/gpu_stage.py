@@ -27,7 +27,6 @@ import argparse
 import hashlib
 import importlib.metadata
 import json
-import math
 import os
 import shutil
 import subprocess

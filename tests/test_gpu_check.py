@@ -147,3 +147,22 @@ def test_shell_entry_point_parses():
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_check.sh")], check=True)
+
+
+def test_gpu_check_runs_its_fp32_identity_check_beside_a_bf16_benchmark(tmp_path, one_thread):
+    gpu_check = _load("gpu_check")
+    out = tmp_path / "out"
+    code = gpu_check.main(["--device", "cpu", "--tiny", "--dtype", "bfloat16", "--batch-sizes", "1",
+                           "--num-prompts", "1", "--max-new-tokens", "4", "--methods", "plain,poss-paper",
+                           "--identity-prompts", "2", "--identity-new-tokens", "6",
+                           "--prompts", str(_prompts(tmp_path / "p.jsonl")), "--out", str(out)])
+    assert code == 0
+    identity = json.loads((out / "gpu_check.json").read_text())["identity"]
+    cases = {(row[0], row[1]): row for row in identity}
+    assert set(cases) == {(case, method) for case in ("prompt 1, batch 1", "prompt 2, batch 1",
+                                                      "prompts 1-2, one left-padded batch")
+                          for method in ("poss-shipped", "poss-paper")}
+    for row in identity:  # identical rows: "n/n"
+        same, rows = row[4].split("/")
+        assert same == rows, row
+    assert "| 1 | poss-paper |" in (out / "gpu_check.md").read_text()
