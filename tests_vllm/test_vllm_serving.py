@@ -108,15 +108,18 @@ def test_vllm_serve_answers_a_chat_request_and_reports_acceptance(exports, tmp_p
         text = answer["choices"][0]["message"]["content"]
         assert text.strip(), answer
         metrics = _get(f"http://127.0.0.1:{port}/metrics")
-        values = {}
+        drafts, per_pos = 0.0, {}
         for line in metrics.splitlines():
-            if line.startswith("vllm:spec_decode_num_"):
-                name, value = line.rsplit(" ", 1)
-                values[name] = float(value)
-        drafts = sum(v for n, v in values.items() if n.startswith("vllm:spec_decode_num_drafts"))
-        per_pos = {n: v for n, v in values.items() if "accepted_tokens_per_pos" in n}
-        print(f"served answer: {text!r}\nspec-decode metrics: {values}")
-        assert drafts > 0 and per_pos, metrics[-2000:]
+            if line.startswith("vllm:spec_decode_num_drafts_total"):
+                drafts += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+                position = int(line.split('position="', 1)[1].split('"', 1)[0])
+                per_pos[position] = per_pos.get(position, 0.0) + float(line.rsplit(" ", 1)[1])
+        counts = [per_pos[p] for p in sorted(per_pos)]
+        alpha = [c / d if d else float("nan") for c, d in zip(counts, [drafts, *counts])]
+        print(f"served answer: {text!r}\nserved spec decode: drafts {drafts:.0f}, accepted per position {counts}, "
+              f"alpha {[round(a, 3) for a in alpha]}")
+        assert drafts > 0 and len(counts) == 3, metrics[-2000:]
     finally:
         try:
             os.killpg(server.pid, signal.SIGTERM)
