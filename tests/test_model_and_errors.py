@@ -258,7 +258,7 @@ def test_old_single_file_layout_loads_converted(tmp_path):
     loaded = PosSDrafter.from_pretrained(tmp_path)
     assert loaded.generation_config.budget == {
         "draft_mode": "chain", "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5, "lookup_num_tokens": 10,
-        "lookup_ngram_size": 3,
+        "lookup_ngram_size": 3, "max_batch_size": None, "speculation": "auto",
     }
     assert loaded.training_record == {"steps": 9} and loaded.tuning_record["chosen"] == {"tree_depth": 3}
     assert not hasattr(loaded.config, "tree_depth") and not hasattr(loaded.config, "training_record")

@@ -115,26 +115,48 @@ def test_poss_tune_rejects_bad_lists():
         poss_main(["tune", "default", "--prompts", "x", "--top-k", "0,2"])
 
 
-def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path, capsys):
-    """`poss tune FOLDER` rewrites `generation_config.json` and `tuning_record.json`, nothing else of the folder."""
+def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path, capsys, monkeypatch):
+    """`poss tune FOLDER` writes this device kind's entry into `generation_config.json` (beside other kinds' entries
+    and the default budget, which stay) and its record into `tuning_record.json`, nothing else of the folder; with
+    `--batch-sizes` the entry's `max_batch_size` is the largest measured size where drafting paid."""
     import json
 
     from tiny_tokenizer import char_tokenizer
+    from transformers_poss import tuning
+    from transformers_poss.devices import device_kind
 
     target, drafter = fitted_pairs("llama")
     target.save_pretrained(tmp_path / "target")
     char_tokenizer().save_pretrained(tmp_path / "target")
-    drafter.save_pretrained(tmp_path / "drafter")
+    other = drafter.with_generation_config()
+    other.generation_config.device_budgets = {"cuda:Other GPU/bfloat16": {"tree_depth": 5}}
+    other.tuning_record = {"chosen": {"tree_depth": 3}, "device": "an older run"}  # the single-kind layout
+    other.save_pretrained(tmp_path / "drafter")
     untouched = {name: (tmp_path / "drafter" / name).read_bytes() for name in ("config.json", "model.safetensors")}
-    (tmp_path / "prompts.jsonl").write_text('{"question_id": 1, "category": "x", "turns": ["hello there"]}\n')
+    (tmp_path / "prompts.jsonl").write_text("".join(
+        json.dumps({"question_id": i, "category": "x", "turns": [f"hello there {i}"]}) + "\n" for i in range(2)))
+    monkeypatch.setattr(tuning, "measure_batches", lambda *args, **kwargs: {1: 1.3, 2: 0.9})
     code = poss_main(["tune", str(tmp_path / "drafter"), "--target", str(tmp_path / "target"), "--prompts",
                       str(tmp_path / "prompts.jsonl"), "--dtype", "float32", "--top-k", "1,2", "--max-depth", "2",
-                      "--totals", "2,4", "--max-new-tokens", "12", "--repeats", "1"])
+                      "--totals", "2,4", "--max-new-tokens", "12", "--repeats", "1", "--batch-sizes", "1,2"])
     assert code == 0, capsys.readouterr().err
-    chosen = json.loads((tmp_path / "drafter" / "tuning_record.json").read_text())["chosen"]
+    kind = device_kind("cpu", torch.float32)
+    records = json.loads((tmp_path / "drafter" / "tuning_record.json").read_text())["device_kinds"]
+    assert records["unrecorded"]["device"] == "an older run" and records[kind]["device_kind"] == kind
+    chosen = records[kind]["chosen"]
     settings = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
-    assert {k: settings[k] for k in chosen} == chosen and chosen["tree_depth"] <= 2
+    entry = settings["device_budgets"][kind]
+    assert entry == {**chosen, "max_batch_size": 1} and chosen["tree_depth"] <= 2
+    assert settings["device_budgets"]["cuda:Other GPU/bfloat16"] == {"tree_depth": 5}
+    assert settings["tree_depth"] == drafter.generation_config.tree_depth  # the default budget stays
     assert all((tmp_path / "drafter" / name).read_bytes() == data for name, data in untouched.items())
+
+
+def test_largest_paying_batch():
+    from transformers_poss.tuning import largest_paying_batch
+
+    assert largest_paying_batch({1: 1.5, 2: 1.2, 4: 0.98, 8: 1.1}) == 2  # stops at the first size that lost
+    assert largest_paying_batch({1: 0.9, 2: 1.2}) == 0 and largest_paying_batch({1: 1.1, 16: 1.01}) == 16
 
 
 @pytest.mark.parametrize("int8", [False, True])

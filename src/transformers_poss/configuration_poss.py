@@ -17,6 +17,7 @@ FAMILY_CLASSES = {
     "gemma3_text": ("gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding"),
 }
 DRAFT_MODES = ("tree", "chain")
+SPECULATION_MODES = ("auto", "always")
 # "eagle": EAGLE-1/2, HASS and PosS drafters; "eagle3": EAGLE-3 drafters (see `PosSConfig`).
 DRAFTER_TYPES = ("eagle", "eagle3")
 # Target hidden states an EAGLE-3 drafter fuses (low, mid, high) in every release.
@@ -375,26 +376,60 @@ class PosSGenerationConfig(GenerationConfig):
             Verification keeps it lossless; it pays when answers repeat their prompt or themselves.
         lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
             their latest earlier occurrence.
+        max_batch_size (`int`, *optional*): the largest batch that `generate` drafts for; a larger one is decoded
+            plainly (the same output) and `speculative_stats.plain_reason` says why. `0`: never draft (speculation
+            does not pay); `None` (default): no limit. `poss tune --batch-sizes` measures it per device kind.
+        speculation (`str`): `"auto"` (default) follows `max_batch_size`; `"always"` drafts at any batch size, for
+            one call: `assistant_model=drafter.with_generation_config(speculation="always")`.
+        device_budgets (`dict`): tuned settings per device kind (`transformers_poss.devices.device_kind`, e.g.
+            `"cpu:avx2/float32"`): `{kind: {"tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens",
+            "max_batch_size"}}` (any of them), written by `poss tune`. `generate` uses the entry of the device and
+            dtype the target runs on over the settings above, which are the budget for kinds without an entry (with
+            one warning naming `poss tune`). Settings given to `with_generation_config` apply on every kind.
         kwargs: other `GenerationConfig` fields (unused by the drafter).
     """
 
     POSS_DEFAULTS = {
         "draft_mode": "tree", "tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60,
-        "lookup_num_tokens": 0, "lookup_ngram_size": 3,
+        "lookup_num_tokens": 0, "lookup_ngram_size": 3, "max_batch_size": None, "speculation": "auto",
+        "device_budgets": {},
     }
+    # What a device kind's entry in `device_budgets` may set.
+    DEVICE_BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens", "max_batch_size")
 
     def __init__(self, **kwargs):
         removed = sorted(set(kwargs) & set(REMOVED_GENERATION_SETTINGS))
         if removed:
             raise ValueError(" ".join(f"{name}: {REMOVED_GENERATION_SETTINGS[name]}" for name in removed))
         for name, default in self.POSS_DEFAULTS.items():
-            setattr(self, name, kwargs.pop(name, default))
+            setattr(self, name, copy.deepcopy(kwargs.pop(name, default)))
         super().__init__(**kwargs)
 
     @property
     def budget(self) -> dict:
-        """The drafting settings (the `POSS_DEFAULTS` fields) as a dict."""
-        return {name: getattr(self, name) for name in self.POSS_DEFAULTS}
+        """The drafting settings (the `POSS_DEFAULTS` fields but `device_budgets`) as a dict."""
+        return {name: getattr(self, name) for name in self.POSS_DEFAULTS if name != "device_budgets"}
+
+    def for_device(self, kind: str) -> tuple["PosSGenerationConfig", bool]:
+        """The settings `generate` uses on device kind `kind`: a copy with its `device_budgets` entry applied, and
+        whether there was one (without one, this config itself)."""
+        entry = self.device_budgets.get(kind)
+        if entry is None:
+            return self, False
+        config = copy.deepcopy(self)
+        for name, value in entry.items():
+            setattr(config, name, value)
+        return config, True
+
+    def plain_reason(self, kind: str, batch_size: int) -> str | None:
+        """Why `generate` should decode a batch of `batch_size` plainly on `kind` with these (resolved) settings, or
+        None to draft."""
+        if self.speculation == "always" or self.max_batch_size is None or batch_size <= self.max_batch_size:
+            return None
+        if self.max_batch_size == 0:
+            return f"speculation does not pay on {kind} (max_batch_size 0, poss tune)"
+        return (f"batch size {batch_size} is above max_batch_size {self.max_batch_size}, where speculation stops "
+                f"paying on {kind} (poss tune --batch-sizes)")
 
     def validate(self, *args, **kwargs):
         """`GenerationConfig.validate`, then raise `ValueError` on drafting settings no drafter can run with."""
@@ -403,8 +438,31 @@ class PosSGenerationConfig(GenerationConfig):
                     "lookup_ngram_size": 2}
         for name, minimum in minimums.items():
             _check_int("PosSGenerationConfig", name, getattr(self, name), minimum)
+        if self.max_batch_size is not None:
+            _check_int("PosSGenerationConfig", "max_batch_size", self.max_batch_size, 0)
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"PosSGenerationConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(
+                f"PosSGenerationConfig.speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}"
+            )
+        self._check_device_budgets()
+
+    def _check_device_budgets(self) -> None:
+        if not isinstance(self.device_budgets, dict):
+            raise ValueError(f"PosSGenerationConfig.device_budgets must be a dict, got {self.device_budgets!r}")
+        for kind, entry in self.device_budgets.items():
+            if not isinstance(entry, dict) or set(entry) - set(self.DEVICE_BUDGET_KEYS):
+                raise ValueError(
+                    f"PosSGenerationConfig.device_budgets[{kind!r}] must be a dict of {self.DEVICE_BUDGET_KEYS}, "
+                    f"got {entry!r}"
+                )
+            resolved, _ = self.for_device(kind)
+            resolved.device_budgets = {}
+            try:
+                resolved.validate()
+            except ValueError as error:
+                raise ValueError(f"PosSGenerationConfig.device_budgets[{kind!r}]: {error}") from None
 
     def updated(self, **settings) -> "PosSGenerationConfig":
         """A validated copy with `settings` changed; unknown names raise `ValueError`."""
@@ -418,6 +476,9 @@ class PosSGenerationConfig(GenerationConfig):
             )
         config = copy.deepcopy(self)
         config.update(**settings)
+        for entry in config.device_budgets.values():  # settings given for this call apply on every device kind
+            for name in set(settings) & set(entry):
+                del entry[name]
         return config
 
     @classmethod

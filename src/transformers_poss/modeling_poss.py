@@ -278,8 +278,12 @@ class PosSDrafter(PosSPreTrainedModel):
 
             target.generate(**inputs, assistant_model=drafter.with_generation_config(tree_depth=6, tree_top_k=10))
         """
+        return self.with_settings(self.generation_config.updated(**settings))
+
+    def with_settings(self, generation_config: PosSGenerationConfig) -> "PosSDrafter":
+        """A view of this drafter (shared weights) drafting with `generation_config`."""
         view = copy.copy(self)  # shares parameters, buffers and submodules
-        view.generation_config = self.generation_config.updated(**settings)
+        view.generation_config = generation_config
         return view
 
     # ---- binding to a target -----------------------------------------------------------------------------------

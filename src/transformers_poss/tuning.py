@@ -1,4 +1,11 @@
-"""`poss tune`: choose the tree budget that maximises tokens per second on this device.
+"""`poss tune`: choose the tree budget that maximises tokens per second on this device kind.
+
+A budget is only as good as the device it was measured on: `poss tune` writes its choice as the drafter's entry for
+this device kind (`PosSGenerationConfig.device_budgets`, `transformers_poss.devices.device_kind`), next to the entries
+of other kinds (run it once per kind, into the same folder), and its measurements into `tuning_record.json` under
+the same kind. With `--batch-sizes` it also measures left-padded batches with the chosen budget and records the
+largest batch size where drafting still beat plain batched `generate` (`max_batch_size`; 0 when not even one prompt
+gains): `generate` decodes larger batches plainly.
 
 The model. A round drafts a tree of depth `d`, width `k` and `T` nodes (root included), verifies it in one target
 forward and emits `a + 1` tokens (`a` accepted drafts plus the target's own next token). Its expected speed is
@@ -239,7 +246,7 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     # Plain decoding and each width's calibration take turns on every prompt, so drift slows them alike.
     calibrating = {k: drafter.with_generation_config(
         draft_mode="tree", tree_depth=max_depth, tree_top_k=k, tree_total_tokens=calibrated_size[k],
-        lookup_num_tokens=0) for k in top_ks}
+        lookup_num_tokens=0, speculation="always") for k in top_ks}
     decode_tokens, decode_seconds = 0, 0.0
     traces: dict[int, list[RoundTrace]] = {k: [] for k in top_ks}
     round_seconds: dict[int, list[float]] = {k: [] for k in top_ks}
@@ -345,75 +352,146 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B,B,...",
+                        help="also measure left-padded batches of these sizes with the chosen budget (plain batched "
+                             "generate against the drafter) and record the largest where speculation pays "
+                             "(max_batch_size; needs as many calibration questions as the largest size)")
+    parser.add_argument("--batch-max-new-tokens", type=int, default=64, help="new tokens per batch measurement")
     parser.add_argument("--output-dir", default=None,
-                        help="save the tuned drafter here (default: rewrite config.json of the drafter folder)")
+                        help="save the tuned drafter here (default: rewrite the budget files of the drafter folder)")
     parser.add_argument("--dry-run", action="store_true", help="print the ranking, write nothing")
     return parser
 
 
-def run_tune(args) -> int:
-    import json
+def largest_paying_batch(speedups: dict[int, float]) -> int:
+    """The largest measured batch size up to which every measured size ran faster with the drafter than plain
+    batched `generate` (`{batch size: speedup}`); 0 when batch 1 (the smallest) did not."""
+    paying = 0
+    for size in sorted(speedups):
+        if speedups[size] <= 1.0:
+            break
+        paying = size
+    return paying
+
+
+def measure_batches(target, tokenizer, drafter, questions, batch_sizes, max_new_tokens: int, progress=None):
+    """`{batch size: speedup}` of `drafter` (its budget as it is, drafting at every size) over plain batched
+    `generate` on left-padded batches of the questions' first turns (`evaluation.batching`)."""
+    from .evaluation.batching import run_batch_benchmark
+
+    always = drafter.with_generation_config(speculation="always")
+    rows = run_batch_benchmark(target, tokenizer, questions, {"poss": always}, sorted(batch_sizes),
+                               max_new_tokens=max_new_tokens, progress=progress)
+    return {row["batch_size"]: row["speedup"] for row in rows if row["method"] == "poss"}
+
+
+def device_entry(result: TuneResult, batch_speedups: dict[int, float] | None) -> dict:
+    """The `device_budgets` entry a tuning run writes: the best budget, and `max_batch_size` where measured (or 0
+    when no budget is predicted to beat plain decoding)."""
+    best = result.best
+    entry = {"tree_depth": best.depth, "tree_top_k": best.top_k, "tree_total_tokens": best.total_tokens}
+    if batch_speedups:
+        entry["max_batch_size"] = largest_paying_batch(batch_speedups)
+    elif result.speedup(best) < 1:
+        entry["max_batch_size"] = 0
+    return entry
+
+
+def merged_tuning_record(previous: dict, kind: str, record: dict) -> dict:
+    """The drafter's tuning record with `record` as the entry of device kind `kind` (`{"device_kinds": {kind:
+    record}}`); a record of the earlier single-kind layout is kept under the kind it names, or `"unrecorded"`."""
+    kinds = dict(previous.get("device_kinds") or {})
+    if previous and "device_kinds" not in previous:
+        kinds.setdefault(previous.get("device_kind", "unrecorded"), previous)
+    kinds[kind] = record
+    return {"device_kinds": kinds}
+
+
+def _tune_inputs(args):
+    """(drafter folder, prompt sets) of a `poss tune` call; `ValueError` before any work."""
     from pathlib import Path
 
-    from .assets import DEFAULT_DRAFTERS, default_drafter_path, load_drafter, load_target, runtime_options
-    from .evaluation.prompts import chat_prompt, load_prompt_sets
+    from .assets import DEFAULT_DRAFTERS, default_drafter_path
+    from .evaluation.prompts import load_prompt_sets
 
     if args.max_depth < 1:
-        print("poss tune: error: --max-depth must be >= 1", file=sys.stderr)
-        return 2
+        raise ValueError("--max-depth must be >= 1")
     shipped = {"default": "poss2", **{name: name for name in DEFAULT_DRAFTERS}}
     folder = default_drafter_path(shipped[args.drafter]) if args.drafter in shipped else Path(args.drafter)
     if not (folder / "config.json").is_file():
-        print(f"poss tune: error: {folder} holds no drafter (config.json missing)", file=sys.stderr)
-        return 2
+        raise ValueError(f"{folder} holds no drafter (config.json missing)")
     try:
         prompt_sets = load_prompt_sets(args.prompts, limit=args.limit, per_category=args.per_category)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
+    except (FileNotFoundError, RuntimeError) as error:
+        raise ValueError(str(error)) from None
+    questions = sum(len(q) for q in prompt_sets.values())
+    if args.batch_sizes and max(args.batch_sizes) > questions:
+        raise ValueError(f"--batch-sizes up to {max(args.batch_sizes)} needs as many calibration questions; the "
+                         f"prompts give {questions} (raise --limit)")
+    return folder, prompt_sets
+
+
+def run_tune(args) -> int:
+    import json
+
+    from .assets import load_drafter, load_target, runtime_options
+    from .devices import device_kind
+    from .evaluation.prompts import chat_prompt
+
+    try:
+        folder, prompt_sets = _tune_inputs(args)
+    except ValueError as error:
         print(f"poss tune: error: {error}", file=sys.stderr)
         return 2
     device, dtype = runtime_options(args.threads, args.device, args.dtype)
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     target, tokenizer = load_target(args.target, dtype, device)
+    kind = device_kind(target.device, target.dtype)
     drafter = load_drafter(folder).bind_target(target)
-    previous = drafter.generation_config
-    prompts = [tokenizer(chat_prompt(tokenizer, q.turns, []), return_tensors="pt").input_ids
-               for questions in prompt_sets.values() for q in questions]
-    log(f"{len(prompts)} calibration prompts from {sorted(prompt_sets)}")
+    questions = [q for qs in prompt_sets.values() for q in qs]
+    prompts = [tokenizer(chat_prompt(tokenizer, q.turns, []), return_tensors="pt").input_ids for q in questions]
+    log(f"tuning for {kind} on {len(prompts)} calibration prompts from {sorted(prompt_sets)}")
     result = tune(target, drafter, prompts, top_ks=args.top_k, max_depth=args.max_depth, totals=args.totals,
                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=log)
     print(format_costs(result) + "\n")
     print(format_table(result))
     best = result.best
     print(f"\nplain decoding {result.decode_seconds_per_token * 1e3:.1f} ms/token; best budget depth {best.depth}, "
-          f"top_k {best.top_k}, total_tokens {best.total_tokens}: predicted {result.speedup(best):.2f}x")
+          f"top_k {best.top_k}, total_tokens {best.total_tokens}: predicted {result.speedup(best):.2f}x on {kind}")
     if result.speedup(best) < 1:
         print("note: no budget is predicted to beat plain decoding with this drafter on this device")
+    batch_speedups = None
+    if args.batch_sizes:
+        budget = drafter.with_generation_config(tree_depth=best.depth, tree_top_k=best.top_k,
+                                                tree_total_tokens=best.total_tokens)
+        batch_speedups = measure_batches(target, tokenizer, budget, questions, args.batch_sizes,
+                                         args.batch_max_new_tokens, progress=log)
+        print("\n" + ", ".join(f"batch {b}: {s:.2f}x" for b, s in sorted(batch_speedups.items())))
+    entry = device_entry(result, batch_speedups)
+    print(f"entry for {kind}: {json.dumps(entry)}")
     if args.dry_run:
         return 0
-    settings = drafter.generation_config
     record = result.record()
-    record["previous"] = {key: getattr(previous, key)
-                          for key in ("tree_depth", "tree_top_k", "tree_total_tokens")}
-    record["device"] = f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)"
-    record["command"] = typed_command()
-    drafter.generation_config = settings.updated(
-        tree_depth=best.depth, tree_top_k=best.top_k, tree_total_tokens=best.total_tokens
-    )
-    drafter.tuning_record = record
+    record.update(device_kind=kind, entry=entry, command=typed_command(),
+                  device=f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)")
+    if batch_speedups:
+        record["batch_speedups"] = {str(b): round(s, 3) for b, s in sorted(batch_speedups.items())}
+    settings = drafter.generation_config
+    settings.device_budgets = {**settings.device_budgets, kind: entry}
+    drafter.tuning_record = merged_tuning_record(drafter.tuning_record, kind, record)
     if args.output_dir:
         drafter.save_pretrained(args.output_dir)
         log(f"saved the tuned drafter to {args.output_dir}")
     else:  # the budget and its record only; weights, config.json and card untouched
-        drafter.generation_config.save_pretrained(folder)
-        (folder / "tuning_record.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n",
+        settings.save_pretrained(folder)
+        (folder / "tuning_record.json").write_text(json.dumps(drafter.tuning_record, indent=2, sort_keys=True) + "\n",
                                                    encoding="utf-8")
-        log(f"wrote the budget into {folder / 'generation_config.json'} and its record into tuning_record.json")
-    log(json.dumps(record["chosen"]))
+        log(f"wrote the {kind} entry into {folder / 'generation_config.json'} and its record into tuning_record.json")
     return 0
 
 
 def add_subcommand(subparsers) -> None:
-    parser = subparsers.add_parser("tune", help="choose the tree budget that is fastest on this device",
+    parser = subparsers.add_parser("tune", help="choose the tree budget that is fastest on this device kind",
                                    description=__doc__.splitlines()[0])
     add_arguments(parser)
     parser.set_defaults(func=run_tune)

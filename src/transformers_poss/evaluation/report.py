@@ -125,7 +125,7 @@ def environment(target=None, dtype=None) -> dict:
     import transformers
 
     from .. import __version__
-    from ..assets import cpu_has_native_bf16
+    from ..devices import cpu_has_native_bf16, device_kind
 
     env = {
         "python": platform.python_version(),
@@ -149,6 +149,7 @@ def environment(target=None, dtype=None) -> dict:
     if target is not None:
         device = target.get_input_embeddings().weight.device
         env["device"] = str(device)
+        env["device_kind"] = device_kind(device, dtype if dtype is not None else target.dtype)
         env["target"] = getattr(target.config, "_name_or_path", None)
         if device.type == "cuda":
             env["gpu"] = torch.cuda.get_device_name(device)

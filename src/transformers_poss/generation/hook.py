@@ -7,7 +7,8 @@ unchanged unless the assistant is a PosS drafter (recognised by `is_poss_drafter
 not by class, so remote-code loads work too). With a PosS drafter:
 
 - `_validate_generation_mode`: checks the request before any work (target compatibility, unsupported options);
-- `_assisted_decoding`: checks the inputs, binds the drafter, and runs the tree loop (`decoding`) for
+- `_assisted_decoding`: takes the drafter's settings for the device kind (`devices`), decodes plainly where they
+  say speculation does not pay, else checks the inputs, binds the drafter, and runs the tree loop (`decoding`) for
   `draft_mode="tree"`, for one prompt or a batch;
 - `_get_candidate_generator`: returns `PosSCandidateGenerator` for `draft_mode="chain"`.
 
@@ -19,15 +20,17 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import warnings
 
 import transformers
 from packaging import version
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from ..devices import device_kind
 from .cache_surgery import has_sliding_window
 from .candidate_generator import PosSCandidateGenerator
 from .decoding import left_padding, tree_assisted_decoding
-from .stats import PosSGenerateOutput
+from .stats import GenerationStats, PosSGenerateOutput
 
 MIN_TRANSFORMERS = "5.24.0"
 MAX_TRANSFORMERS_EXCLUSIVE = "6.0.0"
@@ -135,12 +138,46 @@ def _poss_validate_generation_mode(self, generation_mode, generation_config, gen
     return _originals["_validate_generation_mode"](self, generation_mode, generation_config, generation_mode_kwargs)
 
 
+class UntunedDeviceWarning(UserWarning):
+    """A drafter has no tuned budget for the device kind it drafts on (`PosSGenerationConfig.device_budgets`)."""
+
+
 def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    """Check the inputs (`input_ids` is `[B, prompt_len]`), bind the drafter, run the chain or the tree loop, on 8-bit
-    draft weights where the drafter's `int8_draft_weights` says so."""
+    """Check the inputs (`input_ids` is `[B, prompt_len]`), take the drafter's settings for this device kind, and
+    decode plainly where they say speculation does not pay; else bind the drafter and run the chain or the tree loop,
+    on 8-bit draft weights where the drafter's `int8_draft_weights` says so."""
     drafter = kwargs["assistant_model"]
+    kind = device_kind(self.device, self.dtype)
+    settings, tuned = drafter.generation_config.for_device(kind)
+    if not tuned:
+        warnings.warn(
+            f"This PosS drafter has no budget tuned for {kind}; it drafts with its default budget (depth "
+            f"{settings.tree_depth}, top-k {settings.tree_top_k}, {settings.tree_total_tokens} tokens). `poss tune "
+            "DRAFTER_FOLDER --prompts ...` on this device measures and writes one.", UntunedDeviceWarning,
+            stacklevel=4,
+        )
+    reason = settings.plain_reason(kind, input_ids.shape[0])
+    if reason is not None:
+        return _decode_plainly(self, input_ids, logits_processor, stopping_criteria, generation_config, settings,
+                               reason, **kwargs)
+    if settings is not drafter.generation_config:
+        kwargs["assistant_model"] = drafter = drafter.with_settings(settings)
     with drafter.int8_weights(drafter.int8_draft_weights):
         return _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+
+
+def _decode_plainly(self, input_ids, logits_processor, stopping_criteria, generation_config, settings, reason,
+                    **kwargs):
+    """transformers' own decoding loop (`_sample`) on what generate prepared: plain `generate`'s output; the
+    statistics say why nothing was drafted."""
+    for unused in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer"):
+        kwargs.pop(unused, None)
+    out = self._sample(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+    if not isinstance(out, GenerateDecoderOnlyOutput):
+        return out
+    stats = GenerationStats(draft_mode=settings.draft_mode, tree_depth=settings.tree_depth, plain_reason=reason,
+                            new_tokens=out.sequences.shape[1] - input_ids.shape[1])
+    return PosSGenerateOutput(**out, speculative_stats=stats)
 
 
 def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):

@@ -25,6 +25,8 @@ class GenerationStats:
         new_tokens: tokens generated in total (prefill token included).
         lookup_tokens: accepted draft tokens that only the grafted prompt-lookup branch proposed (tree mode with
             `lookup_num_tokens`; counted in `acceptance_lengths` too).
+        plain_reason: why the call decoded plainly without drafting (the drafter's settings for this device kind
+            say speculation does not pay at this batch size), or None when it drafted.
     """
 
     draft_mode: str
@@ -36,6 +38,7 @@ class GenerationStats:
     tree_sizes: list[int] = field(default_factory=list)
     new_tokens: int = 0
     lookup_tokens: int = 0
+    plain_reason: str | None = None
 
     @classmethod
     def pooled(cls, rows: list[GenerationStats]) -> GenerationStats:
@@ -82,6 +85,7 @@ class GenerationStats:
             "rounds": self.num_rounds,
             "new_tokens": self.new_tokens,
             "lookup_tokens": self.lookup_tokens,
+            "plain_reason": self.plain_reason,
             "mean_acceptance_length": self.mean_acceptance_length,
             "position_acceptance": self.position_acceptance,
             "time_split_s": self.time_split(),

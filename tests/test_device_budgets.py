@@ -1,0 +1,121 @@
+"""Budgets per device kind: the kind a device computes as, the entry `generate` takes for it, and plain decoding
+(plain `generate`'s output) where an entry says speculation does not pay."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from test_batches import _batch_rows, left_padded
+from tiny_models import FAMILIES, prompts
+from transformers_poss import PosSDrafter, PosSGenerationConfig
+from transformers_poss.devices import device_kind
+from transformers_poss.generation.hook import UntunedDeviceWarning
+
+
+def _kind(target) -> str:
+    return device_kind(target.device, target.dtype)
+
+
+def test_device_kind_follows_what_torch_dispatches(monkeypatch):
+    from transformers_poss import devices
+
+    monkeypatch.setattr(devices, "cpu_capability", lambda: "avx2")
+    assert devices.device_kind("cpu", torch.float32) == "cpu:avx2/float32" and not devices.cpu_has_native_bf16()
+    monkeypatch.setattr(devices, "cpu_capability", lambda: "avx512")
+    kind = devices.device_kind("cpu", torch.bfloat16)
+    assert kind in ("cpu:avx512/bfloat16", "cpu:avx512_bf16/bfloat16")
+    assert kind.endswith("_bf16/bfloat16") == devices.cpu_has_native_bf16()
+
+
+def test_entries_apply_per_kind_round_trip_and_are_validated(tmp_path):
+    config = PosSGenerationConfig(tree_depth=2, device_budgets={"cpu:avx2/float32": {"tree_depth": 1,
+                                                                                     "max_batch_size": 2}})
+    resolved, tuned = config.for_device("cpu:avx2/float32")
+    assert tuned and resolved.tree_depth == 1 and resolved.max_batch_size == 2 and config.tree_depth == 2
+    assert config.for_device("cuda:X/bfloat16") == (config, False)
+    assert resolved.plain_reason("cpu:avx2/float32", 2) is None
+    assert "batch size 3 is above max_batch_size 2" in resolved.plain_reason("cpu:avx2/float32", 3)
+    assert resolved.updated(speculation="always").plain_reason("cpu:avx2/float32", 3) is None
+    # A setting given for one call applies on every kind: the entries lose it.
+    explicit = config.updated(tree_depth=5)
+    assert explicit.for_device("cpu:avx2/float32")[0].tree_depth == 5
+    assert explicit.for_device("cpu:avx2/float32")[0].max_batch_size == 2
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert saved["device_budgets"] == {"cpu:avx2/float32": {"tree_depth": 1, "max_batch_size": 2}}
+    assert PosSGenerationConfig.from_pretrained(tmp_path).device_budgets == config.device_budgets
+    for bad, message in ((["x"], "must be a dict"), ({"k": {"tree_depth": 0}}, "tree_depth"),
+                         ({"k": {"draft_mode": "chain"}}, "must be a dict of"), ({"k": {"max_batch_size": -1}},
+                                                                                "max_batch_size")):
+        with pytest.raises(ValueError, match=message):
+            PosSGenerationConfig(device_budgets=bad).validate()
+    with pytest.raises(ValueError, match="speculation"):
+        PosSGenerationConfig(speculation="sometimes").validate()
+
+
+def test_generate_drafts_with_the_entry_of_its_kind_and_warns_once_without_one(fitted_pairs):
+    target, drafter = fitted_pairs("llama")
+    prompt = prompts()[0]
+    with pytest.warns(UntunedDeviceWarning, match="poss tune"):
+        out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                              return_dict_in_generate=True)
+    assert out.speculative_stats.tree_depth == 4
+    tuned = drafter.with_generation_config()
+    tuned.generation_config.device_budgets = {_kind(target): {"tree_depth": 2, "tree_total_tokens": 3}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntunedDeviceWarning)
+        out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=tuned,
+                              return_dict_in_generate=True)
+    stats = out.speculative_stats
+    assert stats.tree_depth == 2 and max(stats.tree_sizes) <= 3 and stats.plain_reason is None
+    assert torch.equal(out.sequences, target.generate(prompt, max_new_tokens=12, do_sample=False))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_above_the_kinds_max_batch_size_generate_decodes_plainly(fitted_pairs, family):
+    """The fallback gives plain `generate`'s output (fp32, token for token) and says why; `speculation="always"`
+    drafts the same batch; an entry with `max_batch_size=0` decodes even one prompt plainly."""
+    target, drafter = fitted_pairs(family)
+    view = drafter.with_generation_config(draft_mode="tree")
+    view.generation_config.device_budgets = {_kind(target): {"max_batch_size": 2}}
+    batch = left_padded(_batch_rows())
+    reference = target.generate(**batch, max_new_tokens=16, do_sample=False)
+    out = target.generate(**batch, max_new_tokens=16, do_sample=False, assistant_model=view,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert "batch size 3 is above max_batch_size 2" in out.speculative_stats.plain_reason
+    assert out.speculative_stats.num_rounds == 0
+    forced = target.generate(**batch, max_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                             assistant_model=view.with_generation_config(speculation="always"))
+    assert torch.equal(forced.sequences, reference) and forced.speculative_stats.plain_reason is None
+    assert forced.speculative_stats.num_rounds > 0
+    view.generation_config.device_budgets = {_kind(target): {"max_batch_size": 0}}
+    prompt = prompts()[0]
+    single = target.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=view,
+                             return_dict_in_generate=True)
+    assert torch.equal(single.sequences, target.generate(prompt, max_new_tokens=16, do_sample=False))
+    assert "does not pay" in single.speculative_stats.plain_reason
+
+
+def test_plain_fallback_keeps_the_sampling_distribution_path(fitted_pairs):
+    """Sampling above the limit is transformers' own sampling loop: the same draws as plain `generate` under the same
+    seed."""
+    target, drafter = fitted_pairs("qwen2")
+    view = drafter.with_generation_config(draft_mode="tree", max_batch_size=1)
+    batch = left_padded(_batch_rows())
+    torch.manual_seed(3)
+    reference = target.generate(**batch, max_new_tokens=10, do_sample=True, temperature=0.8)
+    torch.manual_seed(3)
+    out = target.generate(**batch, max_new_tokens=10, do_sample=True, temperature=0.8, assistant_model=view)
+    assert torch.equal(out, reference)
+
+
+def test_budgets_per_kind_round_trip_with_the_drafter(fitted_pairs, tmp_path):
+    _, drafter = fitted_pairs("llama")
+    drafter = drafter.with_generation_config()
+    drafter.generation_config.device_budgets = {"cpu:avx2/float32": {"tree_depth": 1, "max_batch_size": 0}}
+    drafter.save_pretrained(tmp_path)
+    loaded = PosSDrafter.from_pretrained(tmp_path)
+    assert loaded.generation_config.device_budgets == drafter.generation_config.device_budgets
