@@ -57,7 +57,8 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def exports(target, workdir) -> Path:
-    """poss2 (the shipped PosS-2), spec0 (its specialist 0 alone), other_target (a drafter of another target)."""
+    """poss2 (the shipped PosS-2), spec0 (its specialist 0 alone), other_target (a drafter of another target),
+    eagle3 (a random EAGLE-3-style PosS drafter)."""
     folder = workdir / "exports"
     run([main_python(), str(HERE / "make_exports.py"), "--target", target, "--output", str(folder)], timeout=600)
     return folder
@@ -79,14 +80,14 @@ class VLLMRuns:
         self.target, self.exports, self.workdir, self.reference_path = target, exports, workdir, reference_path
         self.results: dict = {}
 
-    def get(self, drafter: str | None, k: int = 3) -> dict:
+    def get(self, drafter: str | None, k: int = 3, method: str = "eagle") -> dict:
         key = (drafter, k if drafter else 0)
         if key not in self.results:
             output = self.workdir / f"vllm_{drafter or 'plain'}_{key[1]}.json"
             command = [sys.executable, str(HERE / "run_vllm.py"), "--target", self.target, "--prompts",
                        str(self.reference_path), "--output", str(output), "--max-tokens", str(MAX_NEW_TOKENS)]
             if drafter:
-                command += ["--drafter", str(self.exports / drafter), "--k", str(k)]
+                command += ["--drafter", str(self.exports / drafter), "--k", str(k), "--method", method]
             run(command, timeout=900)
             self.results[key] = json.loads(output.read_text())
         return self.results[key]

@@ -4,7 +4,8 @@
 
 DIR/poss2: the shipped PosS-2 (`poss export --format vllm --target T`); DIR/spec0: the same drafter's specialist 0
 alone (`--first-specialist`), run by vLLM at every position; DIR/other_target: a PosS drafter for another (tiny,
-random) Llama target that names T as its verifier. DIR/facts.json says how far apart the PosS-2 specialists are.
+random) Llama target that names T as its verifier. DIR/eagle3: a random EAGLE-3-style PosS drafter (2 specialists, 2 positions each, draft vocabulary
+of 8192) for T. DIR/facts.json says how far apart the PosS-2 specialists are.
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ def main(argv=None) -> int:
                      "--verifier", args.target, "--overwrite"])
     if code:
         raise SystemExit("poss export failed for other_target")
+    target = LlamaForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+    torch.manual_seed(0)
+    eagle3 = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2, drafter_type="eagle3",
+                                     draft_vocab_size=8192)
+    eagle3.config.target_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    eagle3.save_pretrained(out / "eagle3_native")
+    if cli.main(["export", "--format", "vllm", str(out / "eagle3_native"), str(out / "eagle3"), "--target",
+                 args.target, "--overwrite"]):
+        raise SystemExit("poss export failed for eagle3")
     facts = {"specialist_max_abs_difference": differences, "num_specialists": len(layers),
              "positions_per_specialist": drafter.config.positions_per_specialist}
     (out / "facts.json").write_text(json.dumps(facts, indent=1), encoding="utf-8")

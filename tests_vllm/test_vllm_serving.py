@@ -155,19 +155,30 @@ def test_a_drafter_for_another_target_is_refused(target, exports, one_prompt):
     assert "PosSServingError" in out and "built for another target" in out and "hidden_size=64" in out
 
 
+def test_an_eagle3_style_poss_drafter_is_served(vllm_runs, exports):
+    """A random EAGLE-3-style PosS drafter (2 specialists): vLLM runs it (method "eagle3", fused target states, its
+    own draft head) and the answers stay vLLM's own."""
+    served = vllm_runs.get("eagle3", 3, method="eagle3")
+    assert served["answers"] == vllm_runs.get(None)["answers"]
+    assert served["counters"]["spec_decode_num_drafts"] > 0
+    assert len(served["counters"]["spec_decode_num_accepted_tokens_per_pos"]) == 3
+
+
 def test_missing_and_truncated_weights_are_refused(target, exports, one_prompt, tmp_path):
     missing = tmp_path / "missing"
     missing.mkdir()
     shutil.copy(exports / "poss2" / "config.json", missing / "config.json")
     out = _serve_fails(target, missing, one_prompt)
-    assert "PosSServingError" in out and "weights file" in out and "is missing" in out
+    assert "weights file" in out and "is missing" in out and "poss export --format vllm" in out
+    assert "Engine core" not in out, "refused only after starting an engine"
     truncated = tmp_path / "truncated"
     truncated.mkdir()
     shutil.copy(exports / "poss2" / "config.json", truncated / "config.json")
     data = (exports / "poss2" / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     out = _serve_fails(target, truncated, one_prompt)
-    assert "PosSServingError" in out and "truncated" in out
+    assert "model.safetensors is truncated" in out
+    assert "Engine core" not in out, "refused only after starting an engine"
 
 
 def test_an_unsupported_vllm_version_is_refused(target, exports, one_prompt):

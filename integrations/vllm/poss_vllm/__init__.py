@@ -39,8 +39,9 @@ Design (vLLM 0.32's EAGLE proposer, `vllm/v1/spec_decode/llm_base_proposer.py`, 
   (`combine_hidden_states`, once per round); each specialist is an EAGLE-3 layer over `[norm(embedding),
   norm(hidden)]`; a shared final norm and the drafter's own head over its draft vocabulary.
 * Checks before serving (a clear `PosSServingError`): the vLLM version (0.32.x: the wrapped proposer method and the
-  model interfaces are that version's), the served target against the one the drafter was built for (family, hidden
-  size, vocabulary, depth), the weights file (present, the recorded size and SHA-256) and its tensors.
+  model interfaces are that version's) and the weights file (present, whole, the recorded size and SHA-256) when the
+  config is read, before an engine starts; the served target against the one the drafter was built for (family,
+  hidden size, vocabulary, depth) and the tensors when the engine builds the draft model, before it serves.
 * Needs eager drafting (no torch.compile / CUDA graphs for the drafter; these models are not compiled): the draft
   index is Python state read at each call.
 """

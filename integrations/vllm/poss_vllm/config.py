@@ -74,11 +74,27 @@ def _wrap_eagle3(original):
 
 def register_speculator_types() -> None:
     from vllm.transformers_utils.configs.speculators import algos
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
     types = algos.SUPPORTED_SPECULATORS_TYPES
     types["eagle"] = _eagle_updater
     if "eagle3" in types and not getattr(types["eagle3"], "poss_wrapped", False):
         types["eagle3"] = _wrap_eagle3(types["eagle3"])
+    original = SpeculatorsConfig.__dict__["from_pretrained"].__func__
+    if getattr(original, "poss_wrapped", False):
+        return
+
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """vLLM's, then (a local PosS export) its weights file checked in the process that reads the config, before
+        any engine starts (the engine checks it again before loading)."""
+        config = original(cls, pretrained_model_name_or_path, **kwargs)
+        poss = getattr(config, "poss", None)
+        if isinstance(poss, dict) and Path(str(pretrained_model_name_or_path)).is_dir():
+            check_weights(pretrained_model_name_or_path, poss)
+        return config
+
+    from_pretrained.poss_wrapped = True
+    SpeculatorsConfig.from_pretrained = classmethod(from_pretrained)
 
 
 # ---- checks in the engine process, before weights load ----------------------------------------------------------
