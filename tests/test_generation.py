@@ -345,7 +345,7 @@ def test_int8_draft_linear_products_and_fallbacks():
     layer = torch.nn.Linear(64, 48)
     layer.__class__ = DraftLinear
     state = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
-    x, many = torch.randn(1, 3, 64), torch.randn(2, 5, 64)
+    x, many = torch.randn(1, 3, 64), torch.randn(2, 20, 64)  # fp32: 8-bit products up to 32 rows
     exact = torch.nn.functional.linear(x, layer.weight, layer.bias)
     layer.int8 = True
     with torch.no_grad():

@@ -8,6 +8,7 @@ target runs in, e.g. `cpu:avx512_bf16/bfloat16`, `cpu:avx2/float32`, `cuda:NVIDI
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -23,11 +24,17 @@ def cpu_has_native_bf16() -> bool:
     AVX-512 (not held to AVX2 by `ATEN_CPU_CAPABILITY`). Elsewhere bf16 is emulated and slow."""
     if not cpu_capability().startswith("avx512"):
         return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's flags as /proc/cpuinfo lists them (empty where there is none); read once per process."""
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return frozenset()
 
 
 def device_kind(device: torch.device | str, dtype: torch.dtype) -> str:

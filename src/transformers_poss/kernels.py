@@ -1,8 +1,14 @@
 """CPU kernels for drafting: products with 8-bit copies of the drafter's weights (`DraftLinear`).
 
 A draft depth multiplies a handful of rows (its frontier) by every weight of a specialist and the draft head, so it
-streams weights: 8-bit copies halve the bytes read. `PosSDrafter.int8_weights` switches them on; the weights
-themselves, training and the saved state are untouched.
+streams weights: 8-bit copies halve the bytes read (a quarter of fp32's). `PosSDrafter.int8_weights` switches them on;
+the weights themselves, training and the saved state are untouched.
+
+The kernel (`torch._weight_int8pack_mm`) is fast for 16-bit inputs only, so products run in bf16 (fp16 for fp16
+drafters) and return in the input's dtype: for an fp32 drafter that is bf16 arithmetic on 8-bit weights, which costs
+acceptance only (the target verifies every token). [4, 576] x [576, 16384] on the 2-core AVX-512 BF16 CPU, cold
+caches: fp32 dense 3.9 ms, int8 with fp32 inputs 13.5 ms, int8 with bf16 inputs 0.46 ms; with torch held to AVX2
+(`ATEN_CPU_CAPABILITY=avx2`, as an AVX2-only CPU computes) 4.0 / 13.1 / 1.16 ms (`docs/benchmarks/cpu-fp32-avx2`).
 """
 
 from __future__ import annotations
@@ -11,29 +17,42 @@ import torch
 from torch import nn
 
 
+def product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The 16-bit dtype 8-bit products of a `dtype` drafter run in: fp16 for fp16, else bf16."""
+    return torch.float16 if dtype == torch.float16 else torch.bfloat16
+
+
 def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An 8-bit copy of a weight `[out, in]`: int8 values `[out, in]` and one scale per row `[out]` (in the weight's
-    dtype), `weight ~= values * scales[:, None]` (symmetric, the row's largest magnitude maps to 127)."""
+    """An 8-bit copy of a weight `[out, in]`: int8 values `[out, in]` and one scale per row `[out]` (in
+    `product_dtype` of the weight's), `weight ~= values * scales[:, None]` (symmetric, the row's largest magnitude maps
+    to 127)."""
     full = weight.detach().float()
     scales = full.abs().amax(dim=1).clamp(min=1e-12) / 127
     values = torch.round(full / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return values, scales.to(weight.dtype)
+    return values, scales.to(product_dtype(weight.dtype))
 
 
 def int8_product(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`x @ (values * scales[:, None]).T`, `[..., in] -> [..., out]` in `scales`' dtype (CPU; `in` a multiple of 16)."""
+    """`x @ (values * scales[:, None]).T`, `[..., in] -> [..., out]`, computed in `scales`' 16-bit dtype and returned
+    in `x`'s (CPU; `in` a multiple of 16)."""
     flat = x.reshape(-1, x.shape[-1]).to(scales.dtype).contiguous()
-    return torch._weight_int8pack_mm(flat, values, scales).reshape(*x.shape[:-1], values.shape[0])
+    out = torch._weight_int8pack_mm(flat, values, scales).reshape(*x.shape[:-1], values.shape[0])
+    return out.to(x.dtype)
 
 
-INT8_MAX_ROWS = 4  # above this many input rows the 8-bit kernel is slower than the 16-bit product on this CPU
+# Above this many input rows the 8-bit kernel is slower than the dense product of the input's dtype (it does not block
+# larger products as a GEMM does): 16-bit inputs 4 rows; fp32 inputs, whose dense product reads twice the bytes, 32
+# ([32, 576] x [576, 16384] cold: 4.6 ms against 6.4 dense on AVX2, 2.2 against 5.5 on AVX-512).
+INT8_MAX_ROWS = {torch.float32: 32}
+INT8_MAX_ROWS_16BIT = 4
 
 
 def runs_int8(x: torch.Tensor, in_features: int) -> bool:
     """Whether `int8_product` should take inputs `x [..., in_features]`: on the CPU, no gradient, `in_features` a
     multiple of 16 (the kernel's 16-bit path reads the weight in blocks of 16), and at most `INT8_MAX_ROWS` rows (a
-    draft depth's frontier; the kernel does not block larger products as a GEMM does)."""
-    return (x.device.type == "cpu" and in_features % 16 == 0 and x.numel() <= INT8_MAX_ROWS * in_features
+    draft depth's frontier)."""
+    rows = INT8_MAX_ROWS.get(x.dtype, INT8_MAX_ROWS_16BIT)
+    return (x.device.type == "cpu" and in_features % 16 == 0 and x.numel() <= rows * in_features
             and not torch.is_grad_enabled())
 
 

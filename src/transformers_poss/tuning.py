@@ -35,6 +35,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,7 @@ from .cli import typed_command
 from .generation.drafting import (DraftSession, DraftTree, draft_tree, level_rank, max_tree_nodes,
                                   select_candidates)
 from .generation.decoding import RoundTrace, observe_rounds
+from .generation.hook import UntunedDeviceWarning
 from .generation.verification import tree_attention_mask
 
 
@@ -259,7 +261,8 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
         decode_seconds += time.perf_counter() - start
         decode_tokens += out.shape[1] - ids.shape[1]
         for k in top_ks:
-            with observe_rounds(traces[k].append):
+            with observe_rounds(traces[k].append), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UntunedDeviceWarning)  # calibration runs are the tuning itself
                 stats = target.generate(ids, assistant_model=calibrating[k], max_new_tokens=max_new_tokens,
                                         do_sample=False, return_dict_in_generate=True).speculative_stats
             round_seconds[k].extend(
@@ -357,6 +360,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "generate against the drafter) and record the largest where speculation pays "
                              "(max_batch_size; needs as many calibration questions as the largest size)")
     parser.add_argument("--batch-max-new-tokens", type=int, default=64, help="new tokens per batch measurement")
+    parser.add_argument("--int8-draft-weights", choices=("on", "off"), default=None,
+                        help="tune drafting on 8-bit weight copies (CPU) or not (default: the drafter's own choice; "
+                             "the shipped drafters have it on)")
     parser.add_argument("--output-dir", default=None,
                         help="save the tuned drafter here (default: rewrite the budget files of the drafter folder)")
     parser.add_argument("--dry-run", action="store_true", help="print the ranking, write nothing")
@@ -447,7 +453,8 @@ def run_tune(args) -> int:
     log = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     target, tokenizer = load_target(args.target, dtype, device)
     kind = device_kind(target.device, target.dtype)
-    drafter = load_drafter(folder).bind_target(target)
+    kernels = {} if args.int8_draft_weights is None else {"int8_draft_weights": args.int8_draft_weights == "on"}
+    drafter = load_drafter(folder, **kernels).bind_target(target)
     questions = [q for qs in prompt_sets.values() for q in qs]
     prompts = [tokenizer(chat_prompt(tokenizer, q.turns, []), return_tensors="pt").input_ids for q in questions]
     log(f"tuning for {kind} on {len(prompts)} calibration prompts from {sorted(prompt_sets)}")
@@ -472,7 +479,7 @@ def run_tune(args) -> int:
     if args.dry_run:
         return 0
     record = result.record()
-    record.update(device_kind=kind, entry=entry, command=typed_command(),
+    record.update(device_kind=kind, entry=entry, command=typed_command(), int8_draft_weights=drafter.int8_draft_weights,
                   device=f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)")
     if batch_speedups:
         record["batch_speedups"] = {str(b): round(s, 3) for b, s in sorted(batch_speedups.items())}

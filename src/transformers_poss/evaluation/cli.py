@@ -145,6 +145,7 @@ def _check_args(args) -> None:
 
 def run_bench(args) -> int:
     from ..assets import load_causal_lm, load_drafter, load_target
+    from ..devices import device_kind
     from .methods import assistant_method, baseline_method, poss_methods, prompt_lookup_method
     from .prompts import load_prompt_sets
     from .report import environment, markdown_table, summarize, write_json, write_plots
@@ -191,10 +192,11 @@ def run_bench(args) -> int:
               "lookup_num_tokens": args.lookup_tokens}
     kernels = {} if args.int8_draft_weights is None else {"int8_draft_weights": args.int8_draft_weights == "on"}
     modes = [m for m in args.modes.split(",") if m]
+    kind = device_kind(target.device, target.dtype)
     for name, folder in drafter_specs:
         drafter = load_drafter(folder, **kernels)
         drafter.bind_target(target)
-        methods.extend(poss_methods(name, drafter, modes, source=str(folder), **budget))
+        methods.extend(poss_methods(name, drafter, modes, source=str(folder), device_kind=kind, **budget))
 
     if args.batch_size:
         return _run_batch_bench(args, target, tokenizer, prompt_sets, methods, dtype, log)

@@ -18,8 +18,10 @@ class Method:
             a small model) or `"poss"`.
         generate_kwargs: extra keyword arguments for `generate` (e.g. `prompt_lookup_num_tokens`, `assistant_model`).
         drafter: the PosS drafter (kind `"poss"`); `mode` is its `draft_mode` for this method.
-        budget: PosS drafting budget of this method (`BUDGET_KEYS`); the calls pass the drafter with these settings
-            (`drafter.with_generation_config`), leaving the drafter's own as they are.
+        overrides: drafting settings this method sets (`BUDGET_KEYS`); the calls pass the drafter with them
+            (`drafter.with_generation_config`), leaving the drafter's own as they are. Settings not given are the
+            drafter's for the device kind the target runs on.
+        budget: the settings the calls draft with (`BUDGET_KEYS`), as reported.
     """
 
     name: str
@@ -27,13 +29,14 @@ class Method:
     generate_kwargs: dict = field(default_factory=dict)
     drafter: object = None
     mode: str | None = None
+    overrides: dict = field(default_factory=dict)
     budget: dict = field(default_factory=dict)
     source: str | None = None
 
     def __post_init__(self):
         if self.drafter is not None:  # one drafter serves several methods: each passes its own view of it
             self.generate_kwargs["assistant_model"] = self.drafter.with_generation_config(
-                draft_mode=self.mode, **self.budget
+                draft_mode=self.mode, **self.overrides
             )
 
     def call_kwargs(self) -> dict:
@@ -73,19 +76,22 @@ def assistant_method(assistant_model, name: str = "assistant", source: str | Non
     return Method(name, "assistant", {"assistant_model": assistant_model}, source=source)
 
 
-def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None,
+def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None = None, device_kind: str | None = None,
                  **budget_overrides) -> list[Method]:
-    """One method per draft mode for a PosS drafter, with its generation config's budget unless overridden (an
-    override of None keeps the drafter's setting)."""
+    """One method per draft mode for a PosS drafter: its generation config's settings for `device_kind` (the kind the
+    target runs on; the default budget when None), where not overridden (an override of None keeps the drafter's)."""
     unknown = set(budget_overrides) - set(BUDGET_KEYS)
     if unknown:
         raise TypeError(f"unknown budget overrides {sorted(unknown)}; expected some of {BUDGET_KEYS}")
-    budget = {key: getattr(drafter.generation_config, key) if budget_overrides.get(key) is None
-              else budget_overrides[key] for key in BUDGET_KEYS}
+    overrides = {key: value for key, value in budget_overrides.items() if value is not None}
+    settings = drafter.generation_config.updated(**overrides)
+    if device_kind is not None:
+        settings = settings.for_device(device_kind)[0]
+    budget = {key: getattr(settings, key) for key in BUDGET_KEYS}
     methods = []
     for mode in modes:
         if mode not in ("tree", "chain"):
             raise ValueError(f"draft modes are 'tree' and 'chain', got {mode!r}")
-        methods.append(Method(f"{name}-{mode}", "poss", drafter=drafter, mode=mode, budget=dict(budget),
-                              source=source))
+        methods.append(Method(f"{name}-{mode}", "poss", drafter=drafter, mode=mode, overrides=dict(overrides),
+                              budget=dict(budget), source=source))
     return methods

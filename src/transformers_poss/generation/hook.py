@@ -150,9 +150,8 @@ def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria
     kind = device_kind(self.device, self.dtype)
     settings, tuned = drafter.generation_config.for_device(kind)
     if not tuned:
-        warnings.warn(
-            f"This PosS drafter has no budget tuned for {kind}; it drafts with its default budget (depth "
-            f"{settings.tree_depth}, top-k {settings.tree_top_k}, {settings.tree_total_tokens} tokens). `poss tune "
+        warnings.warn(  # one text per kind: Python shows it once
+            f"This PosS drafter has no budget tuned for {kind} and drafts with its default budget; `poss tune "
             "DRAFTER_FOLDER --prompts ...` on this device measures and writes one.", UntunedDeviceWarning,
             stacklevel=4,
         )
