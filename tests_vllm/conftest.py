@@ -24,11 +24,21 @@ MAX_NEW_TOKENS = 96
 DEPTHS = (3, 6)
 
 
+_MAIN_PYTHON: list[str] = []
+
+
 def main_python() -> str:
-    python = os.environ.get("POSS_MAIN_PYTHON") or shutil.which("python3") or shutil.which("python")
-    if not python or Path(python).resolve() == Path(sys.executable).resolve():
-        pytest.fail("set POSS_MAIN_PYTHON to the python with transformers_poss installed (not vLLM's)")
-    return python
+    """The main environment's interpreter, resolved once (a pyenv shim costs a `pyenv exec` per call)."""
+    if not _MAIN_PYTHON:
+        python = os.environ.get("POSS_MAIN_PYTHON") or shutil.which("python3") or shutil.which("python")
+        if not python or Path(python).resolve() == Path(sys.executable).resolve():
+            pytest.fail("set POSS_MAIN_PYTHON to the python with transformers_poss installed (not vLLM's)")
+        resolved = subprocess.run([python, "-c", "import sys, transformers_poss; print(sys.executable)"],
+                                  capture_output=True, text=True, timeout=300)
+        if resolved.returncode:
+            pytest.fail(f"{python} cannot import transformers_poss:\n{resolved.stderr[-2000:]}")
+        _MAIN_PYTHON.append(resolved.stdout.strip().splitlines()[-1])
+    return _MAIN_PYTHON[0]
 
 
 def run(command: list[str], timeout: float, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
