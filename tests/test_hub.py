@@ -73,6 +73,17 @@ def test_card_metadata_and_model_index_round_trip(target):
     assert "- threads: 2" in body
 
 
+def test_card_lists_the_tuned_budget_of_each_device_kind(target):
+    drafter = PosSDrafter.from_target(target).with_generation_config()
+    assert "Tuned budgets per device kind" not in str(hub.render_card(drafter))
+    drafter.generation_config.device_budgets = {"cpu:avx2/float32": {"tree_depth": 5, "max_batch_size": 2},
+                                                "cuda:X/bfloat16": {"tree_top_k": 8}}
+    drafter.tuning_record = {"device_kinds": {"cpu:avx2/float32": {"predicted_speedup": 1.14, "command": "poss tune"}}}
+    body = str(hub.render_card(drafter))
+    assert "| `cpu:avx2/float32` | 5 / 10 / 60 | 2 | 1.14x | `poss tune` |" in body
+    assert "| `cuda:X/bfloat16` | 6 / 8 / 60 | no limit | - | - |" in body
+
+
 def test_card_without_benchmark_or_hub_target(target, tmp_path):
     local_target = tmp_path / "target"
     local_target.mkdir()
