@@ -266,3 +266,17 @@ def test_import_check_refuses_a_changed_signature(monkeypatch, changed, missing)
     monkeypatch.setitem(hook._originals, "_assisted_decoding", changed)
     with pytest.raises(ImportError, match=rf"_assisted_decoding.*no longer takes {missing}"):
         hook.check_transformers_version()
+
+
+def _sample_without_streamer(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                             synced_gpus=False, **model_kwargs):
+    """`_sample` as a future transformers might change it."""
+
+
+def test_import_check_refuses_a_changed_plain_loop(monkeypatch):
+    """The plain fallback calls `_sample` (above a device kind's `max_batch_size`): a changed one is caught at import."""
+    from transformers.generation.utils import GenerationMixin
+
+    monkeypatch.setattr(GenerationMixin, "_sample", _sample_without_streamer)
+    with pytest.raises(ImportError, match=r"_sample, which transformers-poss calls.*no longer takes streamer"):
+        hook.check_transformers_version()

@@ -45,6 +45,9 @@ _HOOKED = {
     ),
     "_get_candidate_generator": ("generation_config", "logits_processor", "assistant_model"),
 }
+# What the plain fallback calls unhooked (above a device kind's `max_batch_size`): transformers' own decoding loop.
+_CALLED = {"_sample": ("input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus",
+                       "streamer", "**")}
 _originals: dict = {}
 # The chain-mode candidate generator of the `generate` call in progress (set around transformers' assisted loop).
 _chain_generator: contextvars.ContextVar = contextvars.ContextVar("poss_chain_generator", default=None)
@@ -66,13 +69,14 @@ def check_transformers_version() -> None:
             f"transformers {transformers.__version__} is installed. Install a supported version, e.g. "
             f"pip install 'transformers>={MIN_TRANSFORMERS},<{MAX_TRANSFORMERS_EXCLUSIVE}'."
         )
-    for name, needed in _HOOKED.items():
+    for name, needed in {**_HOOKED, **_CALLED}.items():
         method = _originals.get(name) or getattr(GenerationMixin, name, None)
         missing = list(needed) if method is None else _not_taken_by_keyword(method, needed)
         if missing:
             raise ImportError(
                 f"transformers {transformers.__version__} changed GenerationMixin.{name}, which transformers-poss "
-                f"hooks (it no longer takes {', '.join(missing)}); install a supported transformers version."
+                f"{'hooks' if name in _HOOKED else 'calls'} (it no longer takes {', '.join(missing)}); install a "
+                "supported transformers version."
             )
 
 
