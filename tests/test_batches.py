@@ -224,3 +224,33 @@ def test_one_batched_draft_equals_each_row_drafted_alone(fitted_pairs, family):
                 torch.testing.assert_close(single.candidates.scores, tree.candidates.scores, atol=1e-4, rtol=1e-4)
     together.select_rows(torch.tensor([2, 0]))  # rows that leave the batch leave the session
     assert together.batch_size == 2 and together.lengths == [alone[2].lengths[0], alone[0].lengths[0]]
+
+
+def test_a_padded_single_prompt_streams_and_keeps_scores(fitted_pairs):
+    """One prompt is a batch of one in the same loop: left padding, a streamer and per-step scores together, the
+    sequences and scores those of plain `generate` (fp32)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            pass
+
+    target, drafter = fitted_pairs("llama")
+    batch = left_padded([prompts(count=1)[0]], pad_token_id=0)
+    batch = {k: torch.cat((torch.zeros_like(v[:, :3]), v), dim=1) for k, v in batch.items()}  # 3 slots of padding
+    kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    reference = target.generate(**batch, **kwargs)
+    streamer = Recorder()
+    out = target.generate(**batch, assistant_model=drafter.with_generation_config(draft_mode="tree"),
+                          streamer=streamer, **kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert [t for chunk in streamer.chunks[1:] for t in chunk] == out.sequences[0, batch["input_ids"].shape[1]:].tolist()
+    assert len(out.scores) == len(reference.scores)
+    for mine, theirs in zip(out.scores, reference.scores):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
