@@ -340,12 +340,17 @@ def test_run_benchmark_rejects_bad_requests(fitted_pairs, tokenizer, prompt_fold
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------
+def _save_target_and_drafter(fitted_pairs, tokenizer, folder) -> None:
+    """The tiny Llama target (with the tokenizer) and its fitted drafter saved as `folder/target`, `folder/drafter`."""
+    target, drafter = fitted_pairs("llama")
+    target.save_pretrained(folder / "target")
+    tokenizer.save_pretrained(folder / "target")
+    drafter.save_pretrained(folder / "drafter")
+
+
 def test_poss_bench_command_end_to_end(fitted_pairs, tokenizer, prompt_folder, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["/home/someone/venv/bin/poss", "bench", "--limit", "1"])
-    target, drafter = fitted_pairs("llama")
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    drafter.save_pretrained(tmp_path / "drafter")
+    _save_target_and_drafter(fitted_pairs, tokenizer, tmp_path)
     out = tmp_path / "out"
     code = bench_main([
         "--target", str(tmp_path / "target"), "--drafter", f"mine={tmp_path / 'drafter'}",
@@ -367,10 +372,7 @@ def test_bench_and_poss_turns_split_new_questions_from_follow_ups(fitted_pairs, 
                                                                     capsys):
     from transformers_poss.cli import main as poss_main
 
-    target, drafter = fitted_pairs("llama")
-    target.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
-    drafter.save_pretrained(tmp_path / "drafter")
+    _save_target_and_drafter(fitted_pairs, tokenizer, tmp_path)
     out = tmp_path / "out"
     code = bench_main([
         "--target", str(tmp_path / "target"), "--drafter", f"mine={tmp_path / 'drafter'}", "--prompts",

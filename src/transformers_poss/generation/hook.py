@@ -186,8 +186,7 @@ def _decode_plainly(self, input_ids, logits_processor, stopping_criteria, genera
 def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
     drafter = kwargs.get("assistant_model")
     attention_mask = kwargs.get("attention_mask")
-    padded = attention_mask is not None and not bool(attention_mask.all())
-    _check_batch_request(drafter, generation_config, input_ids.shape[0], padded, attention_mask, kwargs.get("streamer"))
+    _check_batch_request(drafter, generation_config, input_ids.shape[0], attention_mask, kwargs.get("streamer"))
     check_sliding_window(self, drafter, input_ids.shape[1], generation_config.max_length)
     drafter.bind_target(self)
     drafter.eval()
@@ -213,9 +212,9 @@ def _decode(self, input_ids, logits_processor, stopping_criteria, generation_con
     )
 
 
-def _check_batch_request(drafter, generation_config, batch_size: int, padded: bool, attention_mask,
-                         streamer) -> None:
+def _check_batch_request(drafter, generation_config, batch_size: int, attention_mask, streamer) -> None:
     """What a batch (or a padded prompt) cannot do, refused before any work with the alternative named."""
+    padded = attention_mask is not None and not bool(attention_mask.all())
     problems = []
     if drafter.generation_config.draft_mode != "tree" and (batch_size > 1 or padded):
         problems.append(
