@@ -503,6 +503,31 @@ def test_exact_resume(tmp_path, fresh_accelerate):
         assert torch.allclose(value, resumed.drafter.state_dict()[name], atol=1e-6), name
 
 
+def test_validation_every_n_steps_draws_curves_without_changing_training(tmp_path, fresh_accelerate):
+    """`--val-steps 1` over 2 epochs of 2 steps: one validation at every step (the epoch ends, steps 2 and 4, are
+    not validated twice), in the log beside the training windows' wall time; the losses are those of a run that
+    validates only at epoch ends."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    target = tiny_target("llama")
+    examples = greedy_examples(target, 4)  # 2 batches of 2 -> 2 optimizer steps per epoch
+    plain = make_trainer(target, tmp_path / "plain", examples, val=examples[:2], epochs=2)
+    plain.train()
+    assert [v["step"] for v in plain.state["validation"]] == [2, 4]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    curves = make_trainer(target, tmp_path / "curves", examples, val=examples[:2], epochs=2, val_steps=1)
+    record = curves.train()
+    assert [v["step"] for v in curves.state["validation"]] == [1, 2, 3, 4]
+    assert [h["loss"] for h in curves.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-6)
+    lines = [json.loads(line) for line in open(tmp_path / "curves" / "train_log.jsonl")]
+    assert [line["step"] for line in lines if line["event"] == "validation"] == [1, 2, 3, 4]
+    assert all(line["wall_time_s"] >= 0 for line in lines if line["event"] == "train")
+    assert record["validation"]["step"] == 4
+    with pytest.raises(ValueError, match="--val-steps"):
+        TrainingArguments(output_dir="x", target="t", data="d", val_steps=-1).check()
+
+
 def test_stop_signal_writes_a_checkpoint(tmp_path, fresh_accelerate):
     target = tiny_target("llama")
     examples = greedy_examples(target, 6)

@@ -77,6 +77,9 @@ class TrainingArguments:
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
     save_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the saved drafter weights"})
     log_steps: int = field(default=10, metadata={"help": "log every N optimizer steps"})
+    val_steps: int = field(default=0, metadata={
+        "help": "also validate every N optimizer steps, for curves against steps (0: at epoch ends and the end "
+                "only)"})
     resume: str | None = field(default=None, metadata={
         "help": "'latest', a checkpoint folder, or 'auto' (latest when there is one, else a fresh start)"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation, order, noise and split"})
@@ -130,6 +133,8 @@ class TrainingArguments:
             raise ValueError(f"--mixed-precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("--max-steps must be >= 1")
+        if self.val_steps < 0:
+            raise ValueError(f"--val-steps must be >= 0, got {self.val_steps}")
         self.feature_layer_list()  # raises on a malformed --feature-layers
         if self.drafter_type not in ("eagle", "eagle3"):
             raise ValueError(f"--drafter-type must be eagle or eagle3, got {self.drafter_type!r}")

@@ -157,6 +157,8 @@ class PosSTrainer:
                     if self.state["global_step"] % args.log_steps == 0:
                         self._log(window, bar)
                         window = self._empty_window()
+                    if args.val_steps and self.state["global_step"] % args.val_steps == 0:
+                        self._validate()
                     stop = self._should_stop()
                     if stop or (args.save_steps and self.state["global_step"] % args.save_steps == 0):
                         self.save_checkpoint()
@@ -169,10 +171,7 @@ class PosSTrainer:
                     continue
                 break
             if self._done() and not self._stop_requested and not self.state["finished"]:  # --max-steps reached
-                history = self.state["validation"]
-                validated = bool(history) and history[-1]["step"] == self.state["global_step"]
-                if not validated:
-                    self._validate()
+                self._validate()
                 self.state["finished"] = True
                 self.save_drafter(args.output_dir)
                 self.save_checkpoint()
@@ -187,7 +186,10 @@ class PosSTrainer:
         return self.args.max_steps is not None and self.state["global_step"] >= self.args.max_steps
 
     def _validate(self) -> None:
-        """Evaluate, keep the result in the state, print it and log it (`"event": "validation"`)."""
+        """Evaluate, keep the result in the state, print it and log it (`"event": "validation"`); once per step."""
+        history = self.state["validation"]
+        if history and history[-1]["step"] == self.state["global_step"]:
+            return
         result = self.evaluate()
         self.state["validation"].append(result)
         if self.accelerator.is_main_process:
@@ -242,7 +244,7 @@ class PosSTrainer:
             "event": "train", "step": self.state["global_step"], "epoch": self.state["epoch"],
             "loss": window["loss"] / max(window["batches"], 1), "lr": self.scheduler.get_last_lr()[0],
             "feature_loss": (window["feature_loss"] / count).tolist(), "soft_ce": (window["soft_ce"] / count).tolist(),
-            "position_accuracy": accuracy, "tokens": self.state["tokens"],
+            "position_accuracy": accuracy, "tokens": self.state["tokens"], "wall_time_s": round(self._wall_time(), 1),
         }
         if bar is not None:
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in accuracy))
