@@ -11,7 +11,7 @@ import json
 import lzma
 import sys
 
-from transformers_poss.training.data import load_sharegpt_json
+from transformers_poss.training.data import ROLE_MAP, load_sharegpt_json
 
 
 def pack(distilled: str, packed: str) -> None:
@@ -28,9 +28,10 @@ def unpack(packed: str, sharegpt: str, output: str) -> None:
     prompts = {}  # id -> the turns before the first answer (a system turn, the question), leading answers dropped
     for record in load_sharegpt_json(sharegpt):
         turns = [{"from": t["from"], "value": t.get("value") or ""} for t in record["conversations"]]
-        while turns and turns[0]["from"] == "gpt":
-            turns.pop(0)
-        answers = [i for i, t in enumerate(turns) if t["from"] == "gpt"]
+        answering = [ROLE_MAP.get(str(t["from"]).lower()) == "assistant" for t in turns]  # "gpt", "bing", ...
+        while answering and answering[0]:
+            turns.pop(0), answering.pop(0)
+        answers = [i for i, is_answer in enumerate(answering) if is_answer]
         if answers:
             prompts.setdefault(record["id"], turns[:answers[0]])
     with lzma.open(packed, "rt", encoding="utf-8") as source, open(output, "w", encoding="utf-8") as out:
