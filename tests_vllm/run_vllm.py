@@ -4,7 +4,8 @@
 
 `--prompts`: a JSON file with `prompts: [{prompt_ids: [...]}, ...]` (what `library_reference.py` writes). The output
 has each prompt's answer ids, the spec-decode counters from `llm.get_metrics()` (drafts, draft tokens, accepted
-tokens, accepted per position) and alpha_p = per_pos[p] / per_pos[p - 1] (per_pos[0] / drafts for p = 1).
+tokens, accepted per position), alpha_p = per_pos[p] / per_pos[p - 1] (per_pos[0] / drafts for p = 1) and, for a
+PosS drafter, how often each specialist ran (`specialist_calls`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ def alphas(counters: dict) -> list[float]:
     return out
 
 
+def specialist_calls(worker) -> list[int] | None:
+    """Run on vLLM's worker: how often each specialist of a poss_vllm drafter ran (None for other drafters)."""
+    return getattr(worker.model_runner.drafter.model, "specialist_calls", None)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
@@ -46,6 +52,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # specialist_calls travels to the worker
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -61,7 +68,8 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - start
     counters = spec_counters(llm.get_metrics())
     result = {"answers": [list(o.outputs[0].token_ids) for o in outputs], "counters": counters,
-              "alpha": alphas(counters), "seconds": seconds}
+              "alpha": alphas(counters), "seconds": seconds,
+              "specialist_calls": llm.collective_rpc(specialist_calls)[0] if args.drafter else None}
     with open(args.output, "w", encoding="utf-8") as handle:
         json.dump(result, handle)
     print(json.dumps({"alpha": result["alpha"], "counters": counters, "seconds": round(seconds, 2)}))

@@ -64,6 +64,14 @@ def test_each_position_runs_its_own_specialist(vllm_runs, exports):
     assert any(abs(a - b) > 1e-9 for a, b in zip(poss2["alpha"][2:], spec0["alpha"][2:]))
 
 
+@pytest.mark.parametrize("k, running", [(3, [True, True, False]), (6, [True, True, True])])
+def test_specialists_past_k_never_run(vllm_runs, k, running):
+    """PosS-2 has 3 specialists of 2 positions: at K=3 specialist 2 (positions 5-6) never drafts, so it never runs."""
+    calls = vllm_runs.get("poss2", k)["specialist_calls"]
+    print(f"K={k} specialist calls {calls}")
+    assert [count > 0 for count in calls] == running
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -28,7 +28,9 @@ Design (vLLM 0.32's EAGLE proposer, `vllm/v1/spec_decode/llm_base_proposer.py`, 
   specialist of position `i + 1`, whose output is returned, and through every later specialist, which only writes
   its KV (it will read the round's earlier draft positions when its own positions come). Specialists whose positions
   are past skip the step: what they would write there is overwritten by the next round's first pass before they read
-  it. Draft cost per step: `num_specialists - s` layers at a step served by specialist `s`.
+  it. Specialists that serve only positions past K (`num_speculative_tokens`) never run: at K=2 a PosS-2 drafter
+  (two positions per specialist) runs specialist 0 alone, as specialist 0 alone would. Draft cost per step:
+  `n_K - s` layers at a step served by specialist `s`, `n_K` the number of specialists drafting at K.
 * EAGLE-1/2-style drafters (`PosSEagleForCausalLM`, method "eagle"): `fc` (with its bias) over
   `concat(embedding, target final hidden state)`, the target family's decoder layer without its input norm, no final
   norm; logits from the drafter's own draft head (its first `draft_head_rows` rows) and the mapped rows

@@ -71,6 +71,8 @@ class _PosSBase:
         self.poss = poss
         self.num_specialists = poss["num_specialists"]
         self.positions_per_specialist = poss["positions_per_specialist"]
+        # Specialists 0 .. drafting - 1 serve positions 1 .. K; later ones would only write KV nobody reads.
+        self.drafting_specialists = self.specialist_for_position(speculative.num_speculative_tokens) + 1
         self._draft_index: int | None = None
         # Per-specialist call counts (tests and benchmarks read them through `specialist_calls`).
         self.specialist_calls = [0] * self.num_specialists
@@ -85,18 +87,20 @@ class _PosSBase:
         return min((position - 1) // self.positions_per_specialist, self.num_specialists - 1)
 
     def _plan(self) -> tuple[int, range]:
-        """(specialist whose output this call returns, specialists that run)."""
+        """(specialist whose output this call returns, specialists that run): the first pass runs every specialist
+        that drafts at K = num_speculative_tokens, draft step i its position's specialist and the later ones of
+        those (they write their KV for the steps to come)."""
         index, self._draft_index = self._draft_index, None
         if index is None:
             context = get_forward_context() if is_forward_context_available() else None
             if context is None or context.attn_metadata is None:  # vLLM's dummy/profiling runs
-                return 0, range(self.num_specialists)
+                return 0, range(self.drafting_specialists)
             raise RuntimeError(
                 "poss_vllm: a draft-model call without a draft index (the wrapped SpecDecodeBaseProposer."
                 "build_per_group_and_layer_attn_metadata was not called before it)"
             )
         used = self.specialist_for_position(index + 1)
-        return used, (range(self.num_specialists) if index == 0 else range(used, self.num_specialists))
+        return used, range(0 if index == 0 else used, self.drafting_specialists)
 
     # ---- weights --------------------------------------------------------------------------------------------------
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]], rename) -> set[str]:
