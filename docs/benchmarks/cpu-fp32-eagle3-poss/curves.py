@@ -1,0 +1,82 @@
+"""Held-out top-1 accuracy by draft position against optimizer steps: the EAGLE-3-style runs' validations and the
+shipped EAGLE-2-style pair's recorded ones (the same held-out records 4000-4031, answered by the target).
+
+    python curves.py --output curves.png "E3 single=runs/e3-single" "E3 PosS-2=runs/e3-poss2@runs/e3-single" ...
+
+`NAME=RUN` reads `RUN/train_log.jsonl`; `NAME=RUN@BASE` draws the run after the steps of `BASE` (a run warm
+started from BASE's end) and joins BASE's curve to it.
+"""
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# Held-out top-1 accuracy at draft positions 1..6 that the shipped drafters' records and docs/HISTORY.md give, by
+# steps in all. These runs trained on original ShareGPT answers up to 3,662 steps (validated then on other answers,
+# so not drawn), and on the target's answers after.
+SHIPPED = {
+    "shipped PosS-2 (EAGLE-2 style)": {
+        4005: [0.522, 0.458, 0.460, 0.457, 0.450, 0.445], 5253: [0.570, 0.518, 0.507, 0.494, 0.495, 0.492],
+        5881: [0.582, 0.535, 0.533, 0.528, 0.525, 0.523], 7598: [0.602, 0.548, 0.546, 0.542, 0.534, 0.530],
+        9315: [0.598, 0.550, 0.549, 0.537, 0.531, 0.529]},
+    "shipped single (EAGLE-2 style)": {
+        4005: [0.504, 0.468, 0.463, 0.465, 0.456, 0.450], 5253: [0.557, 0.514, 0.511, 0.505, 0.500, 0.497],
+        5881: [0.563, 0.530, 0.527, 0.525, 0.521, 0.519], 7598: [0.585, 0.547, 0.542, 0.545, 0.543, 0.538],
+        9315: [0.587, 0.549, 0.544, 0.542, 0.539, 0.537]},
+}
+
+
+def validations(run: str) -> dict[int, list[float]]:
+    points = {}
+    for line in Path(run, "train_log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") == "validation":
+            points[record["step"]] = record["position_accuracy"]
+    if not points:
+        raise SystemExit(f"{run}: no validation in its train_log.jsonl")
+    return points
+
+
+def curve(spec: str) -> tuple[str, dict[int, list[float]]]:
+    name, run = spec.split("=", 1)
+    if "@" not in run:
+        return name, validations(run)
+    run, base = run.split("@", 1)
+    before = validations(base)
+    offset = max(before)
+    return name, {**{offset: before[offset]}, **{offset + step: v for step, v in validations(run).items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="NAME=RUN or NAME=RUN@BASE")
+    parser.add_argument("--output", default="curves.png")
+    parser.add_argument("--no-shipped", action="store_true", help="leave the shipped pair's points out")
+    args = parser.parse_args()
+    curves = [curve(spec) for spec in args.runs]
+    figure, axes = plt.subplots(2, 3, figsize=(13, 7), sharey=True)
+    for position, axis in enumerate(axes.flat):
+        for name, points in curves:
+            steps = sorted(points)
+            axis.plot(steps, [points[s][position] for s in steps], marker=".", label=name)
+        if not args.no_shipped:
+            for (name, points), marker in zip(SHIPPED.items(), ("s", "^")):
+                steps = sorted(points)
+                axis.plot(steps, [points[s][position] for s in steps], marker=marker, linestyle=":", label=name)
+        axis.set_title(f"draft position {position + 1}")
+        axis.set_xlabel("optimizer steps in all")
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("held-out top-1 accuracy")
+    axes[1][0].set_ylabel("held-out top-1 accuracy")
+    axes[0][0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(args.output, dpi=110)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
