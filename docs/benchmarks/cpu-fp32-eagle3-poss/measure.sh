@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The measurements of this run, in order (nothing else running while they time):
+#   bash measure.sh validate|acceptance|compare|tune|speed RUNS DATA
+# RUNS: the folder holding the training runs (e3-single, e3-single2, e3-poss2-fork, e3-single-fork);
+# DATA: the folder holding val-e3 and mt_bench_2per.jsonl / mt_bench_34.jsonl (MT-Bench questions 81, 82, 91, 92, ...
+# and 83, 84, 93, 94, ...: the first four of each category, as the shipped pair's depth-6 runs used them).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+STAGE=$1 RUNS=$2 DATA=$3
+SHIPPED="$HERE/../cpu-fp32-all-rounds-d6-mt_bench"
+DRAFTERS="$HERE/../../../src/transformers_poss/drafters"
+case $STAGE in
+validate)  # held-out accuracy of all four on the same held-out features
+  python "$HERE/validate.py" "$DATA/val-e3" "E3 PosS-2=$RUNS/e3-poss2-fork" "E3 single=$RUNS/e3-single-fork" \
+      "shipped PosS-2=$DRAFTERS/poss2-smollm2-135m-instruct" "shipped single=$DRAFTERS/single-smollm2-135m-instruct" \
+      --output "$HERE/validation.json"
+  python "$HERE/curves.py" --output "$HERE/curves.png" "E3 single (phase 1)=$RUNS/e3-single" \
+      "E3 single, 2nd pass=$RUNS/e3-single2@$RUNS/e3-single" \
+      "E3 single fork=$RUNS/e3-single-fork@$RUNS/e3-single2" "E3 PosS-2 fork=$RUNS/e3-poss2-fork@$RUNS/e3-single2" ;;
+acceptance)  # fp32, depth 6 / top-k 10 / 60 tokens, the 64 turns in two halves (every answer checked against plain)
+  for half in 2per 34; do
+    poss bench --target default --dtype float32 --threads 2 --max-new-tokens 128 --prompt-lookup 0 --modes tree \
+        --tree-depth 6 --tree-top-k 10 --tree-total-tokens 60 --lookup-tokens 0 --quiet \
+        --drafter "e3-poss2=$RUNS/e3-poss2-fork" --drafter "e3-single=$RUNS/e3-single-fork" \
+        --prompts "$DATA/mt_bench_$half.jsonl" --output-dir "$HERE/fp32-$half"
+  done ;;
+compare)  # paired bootstrap over the 64 turns; the shipped pair's rounds are from its own runs on the same turns
+  E3=("$HERE/fp32-2per/results.json" "$HERE/fp32-34/results.json")
+  poss compare e3-poss2-tree e3-single-tree "${E3[@]}" --output-json "$HERE/compare-e3.json"
+  poss compare e3-poss2-tree poss2-all2-tree "${E3[@]}" "$SHIPPED"/results-pass2-{2per,34}.json \
+      --output-json "$HERE/compare-e3-poss2-vs-shipped-poss2.json"
+  poss compare e3-single-tree single-all2-tree "${E3[@]}" "$SHIPPED"/results-single-pass2-{2per,34}.json \
+      --output-json "$HERE/compare-e3-single-vs-shipped-single.json" ;;
+tune)  # the budget for bf16 on this device kind, as the shipped drafters were tuned
+  poss tune "$RUNS/e3-poss2-fork" --prompts mt_bench --limit 3 --max-new-tokens 48 --dtype bfloat16 --threads 2 \
+      --output-dir "$RUNS/e3-poss2-tuned"
+  mkdir -p "$HERE/tune" && cp "$RUNS"/e3-poss2-tuned/{generation_config.json,tuning_record.json} "$HERE/tune/" ;;
+speed)  # README's benchmark, the shipped default against the tuned E3 PosS-2, methods interleaved turn by turn
+  for run in 1 2 3; do
+    poss bench --target default --dtype bfloat16 --threads 2 --prompts mt_bench --limit 8 --max-new-tokens 128 \
+        --prompt-lookup 10 --modes tree --drafter "shipped=$DRAFTERS/poss2-smollm2-135m-instruct" \
+        --drafter "e3-poss2=$RUNS/e3-poss2-tuned" --output-dir "$HERE/bf16-$run"
+  done ;;
+*) echo "unknown stage $STAGE" >&2; exit 2 ;;
+esac
