@@ -3,10 +3,12 @@ shipped EAGLE-2-style pair's recorded ones (the same held-out records 4000-4031,
 
     python curves.py --output curves.png "E3 single=runs/e3-single" "E3 PosS-2=runs/e3-poss2@runs/e3-single" ...
 
-`NAME=RUN` reads `RUN/train_log.jsonl`; `NAME=RUN@BASE` draws the run after the steps of `BASE` (a run warm
-started from BASE's end) and joins BASE's curve to it.
+`NAME=RUN` reads `RUN/train_log.jsonl` (RUN may also be a train log itself, `.jsonl` or `.jsonl.gz`, as in
+`records/`); `NAME=RUN@BASE` draws the run after the steps of `BASE` (a run warm started from BASE's end) and joins
+BASE's curve to it.
 """
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -31,13 +33,15 @@ SHIPPED = {
 
 
 def validations(run: str) -> dict[int, list[float]]:
+    path = Path(run) / "train_log.jsonl" if Path(run).is_dir() else Path(run)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     points = {}
-    for line in Path(run, "train_log.jsonl").read_text().splitlines():
+    for line in text.splitlines():
         record = json.loads(line)
         if record.get("event") == "validation":
             points[record["step"]] = record["position_accuracy"]
     if not points:
-        raise SystemExit(f"{run}: no validation in its train_log.jsonl")
+        raise SystemExit(f"{path}: no validation in it")
     return points
 
 
