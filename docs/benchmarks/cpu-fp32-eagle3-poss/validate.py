@@ -26,14 +26,13 @@ def validate(val_folder: str, drafter_folder: str, target) -> dict:
     val = FeatureDataset(dataset, list(range(manifest["examples"])), blocks=blocks,
                          hidden_size=manifest["hidden_size"])
     drafter.bind_target(target)
-    depth = 6
     with tempfile.TemporaryDirectory() as scratch:
-        args = TrainingArguments(output_dir=scratch, target="bound", features=val_folder, depth=depth,
+        args = TrainingArguments(output_dir=scratch, target="bound", features=val_folder, depth=6,
                                  num_specialists=drafter.config.num_specialists,
                                  positions_per_specialist=drafter.config.positions_per_specialist,
                                  mixed_precision="bf16", progress=False, batch_size=4)
         trainer = PosSTrainer(args, drafter, val, val, data_record={})
-        return trainer.evaluate()
+        return {**trainer.evaluate(), "step": (drafter.training_record or {}).get("steps")}  # steps of the run it was saved from
 
 
 def main() -> None:
@@ -48,7 +47,7 @@ def main() -> None:
     for item in args.drafters:
         name, folder = item.split("=", 1)
         result = validate(args.val_features, folder, target)
-        results[name] = {"step": (PosSDrafter.from_pretrained(folder).training_record or {}).get("steps"), **result}
+        results[name] = result
         print(f"{name}: top-1 {' '.join(f'{a:.3f}' for a in result['position_accuracy'])} | top-10 "
               f"{' '.join(f'{a:.3f}' for a in result['position_top_k_accuracy'])} "
               f"({result['positions'][0]} positions)", flush=True)
