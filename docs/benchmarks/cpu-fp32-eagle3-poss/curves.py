@@ -5,7 +5,7 @@ shipped EAGLE-2-style pair's recorded ones (the same held-out records 4000-4031,
 
 `NAME=RUN` reads `RUN/train_log.jsonl` (RUN may also be a train log itself, `.jsonl` or `.jsonl.gz`, as in
 `records/`); `NAME=RUN@BASE` draws the run after the steps of `BASE` (a run warm started from BASE's end) and joins
-BASE's curve to it.
+BASE's last point to it; `NAME=RUN@BASE@BASE2` after BASE's and BASE2's steps (BASE itself warm started from BASE2).
 """
 import argparse
 import gzip
@@ -46,13 +46,13 @@ def validations(run: str) -> dict[int, list[float]]:
 
 
 def curve(spec: str) -> tuple[str, dict[int, list[float]]]:
-    name, run = spec.split("=", 1)
-    if "@" not in run:
+    name, chain = spec.split("=", 1)
+    run, *bases = chain.split("@")
+    if not bases:
         return name, validations(run)
-    run, base = run.split("@", 1)
-    before = validations(base)
-    offset = max(before)
-    return name, {**{offset: before[offset]}, **{offset + step: v for step, v in validations(run).items()}}
+    offset = sum(max(validations(base)) for base in bases)
+    start = validations(bases[0])
+    return name, {offset: start[max(start)], **{offset + step: v for step, v in validations(run).items()}}
 
 
 def main() -> None:
