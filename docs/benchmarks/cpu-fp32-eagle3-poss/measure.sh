@@ -30,15 +30,18 @@ validate)  # held-out accuracy of all four on the same held-out features
       "E3 single, 400 more=$RUNS/e3-single-400@$RUNS/e3-single" "E3 PosS-2=$RUNS/e3-poss2@$RUNS/e3-single" \
       "E3 single, pass 2 (earlier)=$REC/train_log-e3-single2.jsonl.gz@$RUNS/e3-single" \
       "E3 PosS-2 from pass 2 (earlier)=$REC/train_log-e3-poss2-fork.jsonl.gz@$REC/train_log-e3-single2.jsonl.gz@$RUNS/e3-single" ;;
-acceptance)  # fp32, depth 6 / top-k 10 / 60 tokens, the 64 turns in two halves (every answer checked against plain)
-  for half in ${4:-2per 34}; do  # HALF: 2per or 34 for one of them
-    poss bench --target default --dtype float32 --threads 2 --max-new-tokens 128 --prompt-lookup 0 --modes tree \
-        --tree-depth 6 --tree-top-k 10 --tree-total-tokens 60 --lookup-tokens 0 --quiet \
-        --drafter "e3-poss2=$RUNS/e3-poss2" --drafter "e3-single=$RUNS/e3-single-400" \
-        --prompts "$DATA/mt_bench_$half.jsonl" --output-dir "$HERE/fp32-$half"
+acceptance)  # fp32, depth 6 / top-k 10 / 60 tokens, the 64 turns in two halves (every answer checked against plain),
+  # each drafter on its own (one half and one drafter a run: HALF = 2per or 34, then DRAFTER = e3-poss2 or e3-single)
+  for half in ${4:-2per 34}; do
+    for name in ${5:-e3-poss2 e3-single}; do
+      run=$([ "$name" = e3-single ] && echo e3-single-400 || echo "$name")
+      poss bench --target default --dtype float32 --threads 2 --max-new-tokens 128 --prompt-lookup 0 --modes tree \
+          --tree-depth 6 --tree-top-k 10 --tree-total-tokens 60 --lookup-tokens 0 --quiet \
+          --drafter "$name=$RUNS/$run" --prompts "$DATA/mt_bench_$half.jsonl" --output-dir "$HERE/fp32-$half-$name"
+    done
   done ;;
 compare)  # paired bootstrap over the 64 turns; the shipped pair's rounds are from its own runs on the same turns
-  E3=("$HERE/fp32-2per/results.json" "$HERE/fp32-34/results.json")
+  E3=("$HERE"/fp32-{2per,34}-{e3-poss2,e3-single}/results.json)
   poss compare e3-poss2-tree e3-single-tree "${E3[@]}" --output-json "$HERE/compare-e3.json"
   poss compare e3-poss2-tree poss2-all2-tree "${E3[@]}" "$SHIPPED"/results-pass2-{2per,34}.json \
       --output-json "$HERE/compare-e3-poss2-vs-shipped-poss2.json"
