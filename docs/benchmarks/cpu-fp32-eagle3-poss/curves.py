@@ -60,8 +60,10 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="NAME=RUN or NAME=RUN@BASE")
     parser.add_argument("--output", default="curves.png")
     parser.add_argument("--no-shipped", action="store_true", help="leave the shipped pair's points out")
+    parser.add_argument("--from-step", type=int, default=0, help="draw only the points from this step on")
     args = parser.parse_args()
-    curves = [curve(spec) for spec in args.runs]
+    curves = [(name, {s: v for s, v in points.items() if s >= args.from_step})
+              for name, points in map(curve, args.runs)]
     figure, axes = plt.subplots(2, 3, figsize=(13, 7), sharey=True)
     for position, axis in enumerate(axes.flat):
         for name, points in curves:

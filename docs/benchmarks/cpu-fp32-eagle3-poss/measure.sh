@@ -29,7 +29,10 @@ validate)  # held-out accuracy of all four on the same held-out features
   python "$HERE/curves.py" --output "$HERE/curves.png" "E3 single, pass 1=$RUNS/e3-single" \
       "E3 single, 400 more=$RUNS/e3-single-400@$RUNS/e3-single" "E3 PosS-2=$RUNS/e3-poss2@$RUNS/e3-single" \
       "E3 single, pass 2 (earlier)=$REC/train_log-e3-single2.jsonl.gz@$RUNS/e3-single" \
-      "E3 PosS-2 from pass 2 (earlier)=$REC/train_log-e3-poss2-fork.jsonl.gz@$REC/train_log-e3-single2.jsonl.gz@$RUNS/e3-single" ;;
+      "E3 PosS-2 from pass 2 (earlier)=$REC/train_log-e3-poss2-fork.jsonl.gz@$REC/train_log-e3-single2.jsonl.gz@$RUNS/e3-single"
+  python "$HERE/curves.py" --output "$HERE/curves-forks.png" --no-shipped --from-step 1000 \
+      "E3 single, pass 1=$RUNS/e3-single" "E3 single, 400 more=$RUNS/e3-single-400@$RUNS/e3-single" \
+      "E3 PosS-2=$RUNS/e3-poss2@$RUNS/e3-single" ;;
 acceptance)  # fp32, depth 6 / top-k 10 / 60 tokens, the 64 turns in two halves (every answer checked against plain),
   # each drafter on its own (one half and one drafter a run: HALF = 2per or 34, then DRAFTER = e3-poss2 or e3-single)
   for half in ${4:-2per 34}; do
