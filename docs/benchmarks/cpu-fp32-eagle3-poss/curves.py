@@ -50,9 +50,10 @@ def curve(spec: str) -> tuple[str, dict[int, list[float]]]:
     run, *bases = chain.split("@")
     if not bases:
         return name, validations(run)
-    offset = sum(max(validations(base)) for base in bases)
-    start = validations(bases[0])
-    return name, {offset: start[max(start)], **{offset + step: v for step, v in validations(run).items()}}
+    before = [validations(base) for base in bases]
+    offset = sum(max(points) for points in before)
+    start = before[0][max(before[0])]
+    return name, {offset: start, **{offset + step: v for step, v in validations(run).items()}}
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measurements of this run, in order (nothing else running while they time):
-#   bash measure.sh prompts|validate|acceptance|compare|tune|speed RUNS DATA [HALF]
+#   bash measure.sh prompts|validate|acceptance|compare|tune|speed RUNS DATA [HALF [DRAFTER]]
 # RUNS: the folder holding the training runs (e3-single, e3-single-400, e3-poss2: README's Training section);
 # DATA: the folder holding val-e3 and mt_bench_2per.jsonl / mt_bench_34.jsonl (MT-Bench questions 81, 82, 91, 92, ...
 # and 83, 84, 93, 94, ...: the first four of each category, as the shipped pair's depth-6 runs used them).
