@@ -51,13 +51,17 @@ compare)  # paired bootstrap over the 64 turns; the shipped pair's rounds are fr
   poss compare e3-single-tree single-all2-tree "${E3[@]}" "$SHIPPED"/results-single-pass2-{2per,34}.json \
       --output-json "$HERE/compare-e3-single-vs-shipped-single.json" ;;
 tune)  # the budget for bf16 on this device kind, as the shipped drafters were tuned
+  # (the shipped default's bf16 entry came from the same grid, with its 8-bit draft weights on)
   poss tune "$RUNS/e3-poss2" --prompts mt_bench --limit 3 --max-new-tokens 48 --dtype bfloat16 --threads 2 \
+      --top-k 1,2,4,8 --max-depth 6 --totals 2,3,4,6,8,12,16,24,32 --int8-draft-weights on \
       --output-dir "$RUNS/e3-poss2-tuned"
   mkdir -p "$HERE/tune" && cp "$RUNS"/e3-poss2-tuned/{generation_config.json,tuning_record.json} "$HERE/tune/" ;;
-speed)  # README's benchmark, the shipped default against the tuned E3 PosS-2, methods interleaved turn by turn
+speed)  # README's benchmark, the shipped default against the tuned E3 PosS-2, methods interleaved turn by turn;
+  # both with the shipped default's prompt-lookup branch (10 tokens; poss train leaves it off in a new drafter) and
+  # 8-bit draft weights (as tuned)
   for run in 1 2 3; do
     poss bench --target default --dtype bfloat16 --threads 2 --prompts mt_bench --limit 8 --max-new-tokens 128 \
-        --prompt-lookup 10 --modes tree --drafter "shipped=$DRAFTERS/poss2-smollm2-135m-instruct" \
+        --prompt-lookup 10 --lookup-tokens 10 --int8-draft-weights on --modes tree --drafter "shipped=$DRAFTERS/poss2-smollm2-135m-instruct" \
         --drafter "e3-poss2=$RUNS/e3-poss2-tuned" --output-dir "$HERE/bf16-$run"
   done ;;
 *) echo "unknown stage $STAGE" >&2; exit 2 ;;
