@@ -61,8 +61,9 @@ speed)  # README's benchmark, the shipped default against the tuned E3 PosS-2, m
   # 8-bit draft weights (as tuned)
   for run in 1 2 3; do
     poss bench --target default --dtype bfloat16 --threads 2 --prompts mt_bench --limit 8 --max-new-tokens 128 \
-        --prompt-lookup 10 --lookup-tokens 10 --int8-draft-weights on --modes tree --drafter "shipped=$DRAFTERS/poss2-smollm2-135m-instruct" \
-        --drafter "e3-poss2=$RUNS/e3-poss2-tuned" --output-dir "$HERE/bf16-$run"
+        --prompt-lookup 10 --lookup-tokens 10 --int8-draft-weights on --modes tree \
+        --drafter "shipped=$DRAFTERS/poss2-smollm2-135m-instruct" --drafter "e3-poss2=$RUNS/e3-poss2-tuned" \
+        --output-dir "$HERE/bf16-$run"
   done ;;
 *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac
