@@ -1,11 +1,14 @@
-"""The `poss` command. Each subcommand lives beside the code it drives and registers itself here."""
+"""The `poss` command. Each subcommand lives beside the code it drives and registers itself here.
+
+The dependency runs one way: this module imports the subcommand modules, they never import it (what they share is
+in `transformers_poss._cli_common`; tests/test_imports.py checks).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
 # Each module defines `add_subcommand(subparsers)` that sets `func` on its parser.
 SUBCOMMAND_MODULES = (
@@ -33,13 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).add_subcommand(subparsers)
     return parser
-
-
-def typed_command() -> str:
-    """The running command as a user would retype it, for result records: `poss ...` when it came through this
-    command (the console script or `python -m transformers_poss.cli`, not their install paths), else argv as given."""
-    program = "poss" if Path(sys.argv[0]).name in ("poss", Path(__file__).name) else sys.argv[0]
-    return " ".join([program, *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cli import typed_command
+from ._cli_common import typed_command
 from .generation.drafting import (DraftSession, DraftTree, draft_tree, level_rank, max_tree_nodes,
                                   select_candidates)
 from .generation.decoding import RoundTrace, observe_rounds

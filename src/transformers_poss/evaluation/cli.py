@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..assets import DTYPES, runtime_options
-from ..cli import typed_command
+from .._cli_common import typed_command
 from ..plotting import require_matplotlib
 
 
