@@ -63,14 +63,26 @@ def run_train(namespace: argparse.Namespace) -> int:
     return 0
 
 
-def _target_tokenizer_records(namespace: argparse.Namespace):
-    """The frozen target, its tokenizer and the conversations named by `poss features` / `poss distill` options."""
+def _records(namespace: argparse.Namespace, command: str) -> list:
+    """The conversation records named by `--data` / `--data-split` / `--limit`; a source that cannot be read exits
+    with its error (before any model is loaded)."""
     from .data import load_records
+
+    try:
+        return load_records(namespace.data, split=namespace.data_split, limit=namespace.limit)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"poss {command}: error: {error}") from None
+
+
+def _target_tokenizer_records(namespace: argparse.Namespace, command: str):
+    """The frozen target, its tokenizer and the conversations named by `poss features` / `poss distill` options
+    (the conversations are read first: a bad `--data` fails before the target loads)."""
     from .pipeline import load_target_and_tokenizer
 
+    records = _records(namespace, command)
     target, tokenizer = load_target_and_tokenizer(namespace.target, namespace.tokenizer, namespace.target_dtype,
                                                   namespace.device)
-    return target, tokenizer, load_records(namespace.data, split=namespace.data_split, limit=namespace.limit)
+    return target, tokenizer, records
 
 
 def run_features(namespace: argparse.Namespace) -> int:
@@ -81,7 +93,7 @@ def run_features(namespace: argparse.Namespace) -> int:
         layers = parse_feature_layers(namespace.feature_layers)
     except ValueError as error:
         raise SystemExit(f"poss features: error: {error}") from None
-    target, tokenizer, records = _target_tokenizer_records(namespace)
+    target, tokenizer, records = _target_tokenizer_records(namespace, "features")
     examples, stats = build_examples(tokenizer, records, namespace.max_length, progress=True)
     metadata = {"data": namespace.data, "split": namespace.data_split, "limit": namespace.limit,
                 "max_length": namespace.max_length, "target_dtype": namespace.target_dtype, **stats}
@@ -93,8 +105,12 @@ def run_features(namespace: argparse.Namespace) -> int:
 
 
 def run_distill(namespace: argparse.Namespace) -> int:
-    from .distill import self_distill
+    from .distill import NoUsableRecordsError, check_records, no_usable_records_message, self_distill
 
+    records = _records(namespace, "distill")
+    usable, skipped = check_records(records)
+    if not usable:  # refuse unusable data before loading any model
+        raise SystemExit(f"poss distill: error: {namespace.data}: {no_usable_records_message(len(records), skipped)}")
     drafter = None
     if namespace.drafter:
         from ..assets import DEFAULT_DRAFTERS, default_drafter_path
@@ -103,11 +119,17 @@ def run_distill(namespace: argparse.Namespace) -> int:
         shipped = {"default": "poss2", **{name: name for name in DEFAULT_DRAFTERS}}
         folder = default_drafter_path(shipped[namespace.drafter]) if namespace.drafter in shipped else namespace.drafter
         drafter = PosSDrafter.from_pretrained(folder).with_generation_config(draft_mode="tree")  # before the target
-    target, tokenizer, records = _target_tokenizer_records(namespace)
-    stats = self_distill(target, tokenizer, records, namespace.output, batch_size=namespace.batch_size,
-                         max_new_tokens=namespace.max_new_tokens, max_prompt_length=namespace.max_prompt_length,
-                         do_sample=namespace.temperature > 0, temperature=namespace.temperature or 1.0,
-                         max_turns=namespace.max_turns, drafter=drafter)
+    from .pipeline import load_target_and_tokenizer
+
+    target, tokenizer = load_target_and_tokenizer(namespace.target, namespace.tokenizer, namespace.target_dtype,
+                                                  namespace.device)
+    try:
+        stats = self_distill(target, tokenizer, records, namespace.output, batch_size=namespace.batch_size,
+                             max_new_tokens=namespace.max_new_tokens, max_prompt_length=namespace.max_prompt_length,
+                             do_sample=namespace.temperature > 0, temperature=namespace.temperature or 1.0,
+                             max_turns=namespace.max_turns, drafter=drafter)
+    except NoUsableRecordsError as error:  # every usable record's prompt is longer than --max-prompt-length
+        raise SystemExit(f"poss distill: error: {namespace.data}: {error}") from None
     print(json.dumps(stats, indent=2))
     return 0
 
@@ -179,13 +201,18 @@ def add_subcommand(subparsers) -> None:
     features.set_defaults(func=run_features)
 
     distill = subparsers.add_parser(
-        "distill", help="regenerate assistant turns with the target itself (self-distillation, resumable jsonl)")
+        "distill", help="answer conversations with the target itself (self-distillation, resumable jsonl)",
+        description="Self-distillation: the target answers each conversation of --data. Its assistant turns are "
+                    "regenerated and the user turns after the last one answered in order, so a prompts file "
+                    '([{"conversations": [{"from": "human", "value": "..."}]}, ...]; or OpenAI-style "messages") '
+                    "gets answered. Records with nothing to answer are counted by reason; when none is usable the "
+                    "command fails before loading the target.")
     _target_and_data(distill)
     distill.add_argument("--max-new-tokens", type=int, default=512)
     distill.add_argument("--max-prompt-length", type=int, default=2048)
     distill.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     distill.add_argument("--max-turns", type=int, default=None,
-                         help="regenerate only the first N assistant turns of each conversation and drop the rest "
+                         help="keep only the first N exchanges (answers) of each conversation and drop the rest "
                               "(turns past the training --max-length are wasted work; default: all)")
     distill.add_argument("--drafter", default=None,
                          help="a PosS drafter folder ('default', 'poss2', 'single': the shipped ones) that "

@@ -32,6 +32,14 @@ ROLE_MAP = {
     "system": "system",
 }
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+# The record shapes `record_turns` reads, for error messages.
+RECORD_SHAPES = (
+    '{"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]} (ShareGPT; speakers: '
+    + ", ".join(ROLE_MAP) + ') or {"messages": [{"role": "user", "content": "..."}, ...]} (roles: '
+    + ", ".join(CHAT_ROLES) + ")")
+
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -104,7 +112,8 @@ def load_records(source: str, split: str = "train", limit: int | None = None) ->
             return list(iter_json_array(source, limit))
         if first.startswith("{"):
             return list(iter_jsonl(source, limit))
-        raise ValueError(f"{source}: expected a JSON array or JSON-lines file of conversation records")
+        found = "is empty" if not first else "is neither a JSON array nor a JSON-lines file"
+        raise ValueError(f"{source} {found}: expected conversation records like {RECORD_SHAPES}")
     import datasets
 
     saved = os.path.isdir(source) and any(
@@ -123,28 +132,54 @@ def load_records(source: str, split: str = "train", limit: int | None = None) ->
     return [dict(row) for row in loaded]
 
 
+class ConversationFormatError(ValueError):
+    """A record that is not a conversation `record_turns` can read; `reason` names what is wrong, for counts:
+    ``"not_a_conversation"`` (no `conversations`/`messages` list), ``"bad_turn"`` (a turn that is not an object with
+    text), ``"unknown_role"``."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def record_turns(record) -> list[dict]:
+    """Every turn of a record as chat messages `[{"role", "content"}]`, in order, nothing dropped.
+
+    Reads ShareGPT `{"conversations": [{"from", "value"}]}` (speakers of `ROLE_MAP`, any case) and OpenAI-style
+    `{"messages": [{"role", "content"}]}` records; a missing or null text is empty. Raises `ConversationFormatError`
+    otherwise.
+    """
+    if isinstance(record, dict) and isinstance(record.get("conversations"), list):
+        speaker_key, text_key, turns = "from", "value", record["conversations"]
+    elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+        speaker_key, text_key, turns = "role", "content", record["messages"]
+    else:
+        got = f"keys {list(record)}" if isinstance(record, dict) else f"a {type(record).__name__}"
+        raise ConversationFormatError(
+            "not_a_conversation", f"a conversation record needs a 'conversations' (ShareGPT) or 'messages' list; "
+                                  f"got {got}")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict) or not isinstance(turn.get(text_key) or "", str):
+            raise ConversationFormatError(
+                "bad_turn", f"a turn must be an object with a text {text_key!r}; got {turn!r:.80}")
+        speaker = turn.get(speaker_key)
+        role = ROLE_MAP.get(str(speaker).lower()) if speaker_key == "from" else speaker
+        if role not in CHAT_ROLES:
+            raise ConversationFormatError(
+                "unknown_role", f"unknown {'ShareGPT speaker' if speaker_key == 'from' else 'chat role'} {speaker!r}")
+        messages.append({"role": role, "content": turn.get(text_key) or ""})
+    return messages
+
+
 def to_messages(record: dict) -> list[dict]:
     """A record -> chat messages `[{"role", "content"}]` (ShareGPT `conversations` or OpenAI-style `messages`).
 
     Leading assistant turns (before the first user/system turn) and trailing user turns are dropped: every remaining
-    assistant turn answers something. Raises `ValueError` on records with neither field or with unknown roles.
+    assistant turn answers something. Raises `ValueError` (`ConversationFormatError`) on records with neither field,
+    malformed turns or unknown roles (`record_turns`).
     """
-    if "conversations" in record:
-        turns = record["conversations"]
-        messages = []
-        for turn in turns:
-            role = ROLE_MAP.get(str(turn.get("from", "")).lower())
-            if role is None:
-                raise ValueError(f"unknown ShareGPT speaker {turn.get('from')!r}")
-            messages.append({"role": role, "content": turn.get("value") or ""})
-    elif "messages" in record:
-        messages = [{"role": m["role"], "content": m.get("content") or ""} for m in record["messages"]]
-        for m in messages:
-            if m["role"] not in ("system", "user", "assistant"):
-                raise ValueError(f"unknown chat role {m['role']!r}")
-    else:
-        raise ValueError(
-            f"a conversation record needs 'conversations' (ShareGPT) or 'messages'; got keys {list(record)}")
+    messages = record_turns(record)
     start = 0
     while start < len(messages) and messages[start]["role"] == "assistant":
         start += 1
