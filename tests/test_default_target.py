@@ -112,3 +112,24 @@ def test_shipped_drafter_on_a_padded_batch_is_identical_row_by_row(target_and_to
     assert torch.equal(out.sequences, reference)
     assert len(out.row_stats) == 4
     assert out.speculative_stats.mean_acceptance_length > 1.2
+
+
+def test_shipped_drafter_drafts_with_what_the_user_sets(target_and_tokenizer, prompts_and_references):
+    """Issue 58 on the shipped default (it carries tuned entries per device kind): a depth set by attribute is the
+    depth that drafts, whatever this machine's kind; the other values come from the kind's entry or the default."""
+    from transformers_poss.devices import device_kind
+
+    target, _ = target_and_tokenizer
+    prompts, references = prompts_and_references
+    drafter = load_default_drafter("poss2", target)
+    kind = device_kind(target.device, target.dtype)
+    drafter.generation_config.tree_depth = 3  # no shipped entry has depth 3
+    out = target.generate(prompts[0], max_new_tokens=MAX_NEW_TOKENS, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    budget = out.speculative_stats.budget
+    assert out.speculative_stats.tree_depth == 3 and budget.sources["tree_depth"] == "set by the user"
+    assert budget.device_kind == kind and torch.equal(out.sequences, references[0])
+    entry = drafter.generation_config.device_budgets.get(kind, {})
+    assert budget.settings["tree_top_k"] == entry.get("tree_top_k", drafter.generation_config.tree_top_k)
+    with pytest.raises(ValueError, match=r"target\.generate\(\.\.\., top_k="):
+        drafter.with_generation_config(top_k=4)

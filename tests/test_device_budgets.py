@@ -119,3 +119,71 @@ def test_budgets_per_kind_round_trip_with_the_drafter(fitted_pairs, tmp_path):
     drafter.save_pretrained(tmp_path)
     loaded = PosSDrafter.from_pretrained(tmp_path)
     assert loaded.generation_config.device_budgets == drafter.generation_config.device_budgets
+
+
+def test_a_setting_set_by_attribute_wins_over_the_kinds_entry_and_the_stats_say_so(fitted_pairs, tmp_path):
+    """Issue 58: `generation_config.tree_depth = 3` is used on a kind whose entry says 2; the entry fills only what the
+    user left as loaded; `speculative_stats.budget` names each value's source; saved and reloaded, it drafts alike."""
+    target, drafter = fitted_pairs("llama")
+    kind = _kind(target)
+    drafter = drafter.with_generation_config()  # a copy of the shared fixture's settings
+    drafter.generation_config = PosSGenerationConfig.from_dict({
+        **drafter.generation_config.to_dict(),
+        "device_budgets": {kind: {"tree_depth": 2, "tree_top_k": 2, "tree_total_tokens": 5}}})
+    assert drafter.generation_config.user_settings == set()
+    prompt = prompts()[0]
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    budget = out.speculative_stats.budget
+    assert out.speculative_stats.tree_depth == 2 and budget.device_kind == kind
+    assert budget.sources["tree_depth"] == f"tuned for {kind}" and budget.settings["tree_total_tokens"] == 5
+    drafter.generation_config.tree_depth = 3  # set by attribute, as transformers users do
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                          return_dict_in_generate=True)
+    stats = out.speculative_stats
+    assert stats.tree_depth == 3 and stats.budget.sources["tree_depth"] == "set by the user"
+    assert stats.budget.settings["tree_top_k"] == 2 and stats.budget.sources["tree_top_k"] == f"tuned for {kind}"
+    assert max(stats.tree_sizes) <= 5
+    assert stats.summary()["budget"]["tree_depth"] == {"value": 3, "source": "set by the user"}
+    assert torch.equal(out.sequences, target.generate(prompt, max_new_tokens=12, do_sample=False))
+    assert f"tree_depth=3 (set by the user)" in drafter.generation_config.describe(kind)
+    drafter.save_pretrained(tmp_path)  # what the user set applies on every kind after a reload too
+    loaded = PosSDrafter.from_pretrained(tmp_path)
+    resolved, tuned = loaded.generation_config.for_device(kind)
+    assert tuned and (resolved.tree_depth, resolved.tree_top_k) == (3, 2)
+    assert loaded.generation_config.device_budgets[kind] == {"tree_top_k": 2, "tree_total_tokens": 5}
+
+
+def test_with_generation_config_and_attributes_apply_on_every_kind():
+    config = PosSGenerationConfig.from_dict({"tree_depth": 6, "device_budgets": {
+        "cpu:avx2/float32": {"tree_depth": 5, "lookup_num_tokens": 10}, "cuda:X/bfloat16": {"tree_depth": 4}}})
+    view = config.updated(tree_depth=2)
+    for kind in ("cpu:avx2/float32", "cuda:X/bfloat16", "cpu:other/float32"):
+        assert view.for_device(kind)[0].tree_depth == 2 and view.budget_sources(kind)["tree_depth"] == "set by the user"
+    assert config.for_device("cpu:avx2/float32")[0].tree_depth == 5  # the drafter's own config is untouched
+    config.tree_depth = 6  # the same value as saved, set by the user: it still wins over the entries
+    assert config.for_device("cpu:avx2/float32")[0].tree_depth == 6
+    assert config.for_device("cpu:avx2/float32")[0].lookup_num_tokens == 10
+    assert config.budget_sources("cpu:other/float32")["tree_top_k"] == "the drafter's default"
+
+
+def test_printing_the_generation_config_shows_what_generate_uses_here():
+    from transformers_poss.devices import local_device_kinds
+
+    kind = local_device_kinds()[1]  # this machine's CPU in float32
+    config = PosSGenerationConfig.from_dict({"tree_depth": 6, "device_budgets": {kind: {"tree_depth": 3}}})
+    text = repr(config)
+    assert "What generate uses on this machine" in text and f"on {kind}:" in text
+    assert f"tree_depth=3 (tuned for {kind})" in text
+    assert "[no budget tuned for this kind: poss tune]" in text.split(f"on {local_device_kinds()[0]}:")[1].split("\n")[0]
+
+
+def test_an_untuned_kind_warns_only_while_the_tree_budget_is_not_the_users(fitted_pairs):
+    target, drafter = fitted_pairs("llama")
+    prompt = prompts()[0]
+    mine = drafter.with_generation_config(tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntunedDeviceWarning)
+        out = target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=mine,
+                              return_dict_in_generate=True)
+    assert set(out.speculative_stats.budget.sources.values()) == {"set by the user", "the drafter's default"}

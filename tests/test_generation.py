@@ -315,27 +315,6 @@ def test_greedy_identity_with_fused_target_layers(fitted_pairs, family, mode):
     assert sum(seen) / len(seen) >= 1.2, seen
 
 
-def test_removed_generation_settings_are_refused_with_where_they_went(fitted_pairs, tmp_path):
-    """`deep_draft_vocab` and `record_round_traces` left the generation config, `int8_draft_weights` became a kernel
-    setting: asking for them names where they went; a folder saved with them still loads (int8 kept, before any work)."""
-    import json
-
-    from transformers_poss import PosSDrafter
-
-    target, drafter = fitted_pairs("llama")
-    for name, value in (("deep_draft_vocab", 8), ("record_round_traces", True), ("int8_draft_weights", True)):
-        with pytest.raises(ValueError, match=name):
-            drafter.with_generation_config(**{name: value})
-    drafter.save_pretrained(tmp_path)
-    path = tmp_path / "generation_config.json"
-    settings = json.loads(path.read_text())
-    settings.update(int8_draft_weights=True, deep_draft_vocab=None, record_round_traces=False)
-    path.write_text(json.dumps(settings))
-    loaded = PosSDrafter.from_pretrained(tmp_path)
-    assert loaded.int8_draft_weights and loaded.generation_config.budget == drafter.generation_config.budget
-    assert not PosSDrafter.from_pretrained(tmp_path, int8_draft_weights=False).int8_draft_weights
-
-
 def test_int8_draft_linear_products_and_fallbacks():
     """An 8-bit `DraftLinear` product is within quantization error of the exact one, follows weight changes, and is exact (the weight itself) with gradients, on more than 4 rows, or when
     off; the module's state is untouched."""

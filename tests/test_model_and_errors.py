@@ -28,7 +28,7 @@ def test_config_validation(bad):
 
 @pytest.mark.parametrize(
     "bad", [dict(tree_depth=0), dict(tree_top_k=0), dict(tree_total_tokens=0), dict(draft_mode="beam"),
-            dict(lookup_num_tokens=-1), dict(lookup_ngram_size=1), dict(deep_draft_vocab=8)],
+            dict(lookup_num_tokens=-1), dict(lookup_ngram_size=1)],
 )
 def test_generation_config_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -40,8 +40,18 @@ def test_generation_config_validation(bad):
 def test_budget_in_config_is_refused_with_where_it_went():
     with pytest.raises(ValueError, match="generation_config"):
         PosSConfig(tree_depth=4)
-    with pytest.raises(ValueError, match="Unknown generation settings"):
+    with pytest.raises(ValueError, match="Unknown drafting settings"):
         PosSDrafter.from_target(tiny_target("llama")).with_generation_config(tree_dpeth=4)
+
+
+@pytest.mark.parametrize("setting", [dict(top_k=4), dict(temperature=0.5), dict(max_new_tokens=9)])
+def test_drafting_views_refuse_generate_settings_and_point_to_generate(setting):
+    drafter = PosSDrafter.from_target(tiny_target("llama"))
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=rf"settings of generate\(\).*target\.generate\(\.\.\., {name}="):
+        drafter.with_generation_config(**setting)
+    with pytest.raises(ValueError, match="deep_draft_vocab"):  # a removed option is just unknown now
+        drafter.with_generation_config(deep_draft_vocab=8)
 
 
 def test_config_rejects_unknown_family():
@@ -242,33 +252,15 @@ def test_tree_mask_matches_running_each_path(fitted_pairs, family, attn):
             torch.testing.assert_close(tree_logits[node], expected, atol=1e-4, rtol=1e-4)  # fp32 tolerance
 
 
-def test_old_single_file_layout_loads_converted(tmp_path):
-    """Folders saved before `generation_config.json` kept the budget and the records in `config.json`."""
+def test_a_budget_in_config_json_is_refused_with_where_it_goes(tmp_path):
+    """Drafting settings live in generation_config.json; a config.json that holds them is refused, not half-read."""
     import json
 
-    target = tiny_target("llama")
-    drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=2)
+    drafter = PosSDrafter.from_target(tiny_target("llama"), num_specialists=2, positions_per_specialist=2)
     drafter.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config.update(draft_mode="chain", tree_depth=3, tree_top_k=2, tree_total_tokens=5, lookup_num_tokens=10,
-                  lookup_ngram_size=3, specialist_intermediate_size=None, training_record={"steps": 9},
-                  tuning_record={"chosen": {"tree_depth": 3}, "previous_record": {"chosen": {}}})
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "generation_config.json").unlink()
-    loaded = PosSDrafter.from_pretrained(tmp_path)
-    assert loaded.generation_config.budget == {
-        "draft_mode": "chain", "tree_depth": 3, "tree_top_k": 2, "tree_total_tokens": 5, "lookup_num_tokens": 10,
-        "lookup_ngram_size": 3, "max_batch_size": None, "speculation": "auto",
-    }
-    assert loaded.training_record == {"steps": 9} and loaded.tuning_record["chosen"] == {"tree_depth": 3}
-    assert not hasattr(loaded.config, "tree_depth") and not hasattr(loaded.config, "training_record")
-    loaded.save_pretrained(tmp_path / "new")  # saved again: the new layout
-    assert "tree_depth" not in (tmp_path / "new" / "config.json").read_text()
-    assert PosSDrafter.from_pretrained(tmp_path / "new").generation_config.tree_depth == 3
-    # A folder whose specialists were widened cannot be rebuilt any more: refused, not loaded wrong.
-    config["specialist_intermediate_size"] = 256
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="specialist_intermediate_size"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tree_depth": 3}))
+    with pytest.raises(ValueError, match=r"\['tree_depth'\] are drafting settings.*generation_config"):
         PosSDrafter.from_pretrained(tmp_path)
 
 

@@ -130,7 +130,7 @@ def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path,
     char_tokenizer().save_pretrained(tmp_path / "target")
     other = drafter.with_generation_config()
     other.generation_config.device_budgets = {"cuda:Other GPU/bfloat16": {"tree_depth": 5}}
-    other.tuning_record = {"chosen": {"tree_depth": 3}, "device": "an older run"}  # the single-kind layout
+    other.tuning_record = {"device_kinds": {"cuda:Other GPU/bfloat16": {"chosen": {"tree_depth": 5}}}}
     other.save_pretrained(tmp_path / "drafter")
     untouched = {name: (tmp_path / "drafter" / name).read_bytes() for name in ("config.json", "model.safetensors")}
     (tmp_path / "prompts.jsonl").write_text("".join(
@@ -142,7 +142,7 @@ def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path,
     assert code == 0, capsys.readouterr().err
     kind = device_kind("cpu", torch.float32)
     records = json.loads((tmp_path / "drafter" / "tuning_record.json").read_text())["device_kinds"]
-    assert records["unrecorded"]["device"] == "an older run" and records[kind]["device_kind"] == kind
+    assert records["cuda:Other GPU/bfloat16"] == {"chosen": {"tree_depth": 5}} and records[kind]["device_kind"] == kind
     chosen = records[kind]["chosen"]
     settings = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
     entry = settings["device_budgets"][kind]

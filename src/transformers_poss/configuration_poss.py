@@ -36,21 +36,8 @@ _IRRELEVANT_TARGET_KEYS = (
     "_attn_implementation_autoset", "output_hidden_states", "output_attentions", "return_dict",
 )
 
-# What `config.json` held before the drafting budget and the records got files of their own (read on load, see
-# `PosSDrafter.from_pretrained`).
-LEGACY_GENERATION_KEYS = (
-    "draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens", "lookup_ngram_size",
-)
-LEGACY_RECORD_KEYS = ("training_record", "tuning_record")
-# Drafting settings that left `PosSGenerationConfig`, and where they went. A saved `generation_config.json` that still
-# has them loads: `int8_draft_weights` becomes the drafter's kernel setting, the others are dropped (see
-# `checkpoints.native.read_drafter_files`).
-REMOVED_GENERATION_SETTINGS = {
-    "int8_draft_weights": "is a kernel choice now: PosSDrafter.from_pretrained(..., int8_draft_weights=True) or "
-                          "drafter.int8_draft_weights = True",
-    "deep_draft_vocab": "was removed: it lost its A/B on the shipped drafters (docs/HISTORY.md)",
-    "record_round_traces": "was removed: poss tune records rounds itself (generation.decoding.observe_rounds)",
-}
+# The records a drafter folder keeps beside `config.json` (`training_record.json`, `tuning_record.json`).
+RECORD_NAMES = ("training_record", "tuning_record")
 
 
 def _check_int(owner: str, name: str, value, minimum: int) -> None:
@@ -119,16 +106,11 @@ class PosSConfig(PretrainedConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
-        moved = sorted(set(kwargs) & set(LEGACY_GENERATION_KEYS + LEGACY_RECORD_KEYS))
-        if moved:
+        misplaced = sorted(set(kwargs) & set(PosSGenerationConfig.POSS_DEFAULTS))
+        if misplaced:
             raise ValueError(
-                f"PosSConfig no longer holds {moved}: the drafting budget is the drafter's `generation_config` "
-                "(`PosSGenerationConfig`) and the records are `drafter.training_record` / `drafter.tuning_record`."
-            )
-        if kwargs.pop("specialist_intermediate_size", None) is not None:
-            raise ValueError(
-                "PosSConfig.specialist_intermediate_size was removed (wider specialists did not help): specialists "
-                "have the target's MLP width"
+                f"{misplaced} are drafting settings: they live in the drafter's `generation_config` "
+                "(`PosSGenerationConfig`, saved as generation_config.json), not in `PosSConfig` / config.json"
             )
         self.target_config = {k: v for k, v in (self.target_config or {}).items() if k not in _IRRELEVANT_TARGET_KEYS}
         if self.drafter_type == "eagle3":
@@ -137,16 +119,6 @@ class PosSConfig(PretrainedConfig):
             self.fc_bias = self.drafter_type != "eagle3"
         super().__post_init__(**kwargs)
         self.check_settings()
-
-    @classmethod
-    def from_dict(cls, config_dict: dict, **kwargs):
-        """As `PretrainedConfig.from_dict`; keys of the old single-file layout (budget, records) are left out here
-        and read by `PosSDrafter.from_pretrained`."""
-        legacy = LEGACY_GENERATION_KEYS + LEGACY_RECORD_KEYS
-        config_dict = {k: v for k, v in config_dict.items() if k not in legacy}
-        if config_dict.get("specialist_intermediate_size", 0) is None:  # the removed option, at its default
-            del config_dict["specialist_intermediate_size"]
-        return super().from_dict(config_dict, **kwargs)
 
     # ---- facts about the target, read from `target_config` -------------------------------------------------
     @property
@@ -361,8 +333,9 @@ class PosSGenerationConfig(GenerationConfig):
     r"""How a PosS drafter drafts: `drafter.generation_config`, saved as `generation_config.json` beside `config.json`
     (where transformers keeps an assistant's `num_assistant_tokens`). `poss tune` writes the fastest budget here.
 
-    For one call without changing the shared drafter, pass a view with other settings:
-    `target.generate(..., assistant_model=drafter.with_generation_config(tree_depth=4))`.
+    Set a setting as on any generation config (`drafter.generation_config.tree_depth = 4`), or, for one call without
+    changing the shared drafter, pass a view: `assistant_model=drafter.with_generation_config(tree_depth=4)`. Either
+    way it is used on every device kind. Printing the config shows the budget a call on this machine drafts with.
 
     Args:
         draft_mode (`str`): `"tree"` (EAGLE-2 dynamic tree verified in one target forward, default) or `"chain"`
@@ -373,7 +346,8 @@ class PosSGenerationConfig(GenerationConfig):
         tree_total_tokens (`int`): verified tree size, root included.
         lookup_num_tokens (`int`): tree mode: the longest continuation copied from the context (prompt lookup) and
             grafted onto the draft tree as one more root path; `0` (default) drafts with the specialists only.
-            Verification keeps it lossless; it pays when answers repeat their prompt or themselves.
+            Verification keeps it lossless; it pays when answers repeat their prompt or themselves. `poss tune`
+            measures it and writes what pays into the device kind's entry.
         lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
             their latest earlier occurrence.
         max_batch_size (`int`, *optional*): the largest batch that `generate` drafts for; a larger one is decoded
@@ -383,9 +357,10 @@ class PosSGenerationConfig(GenerationConfig):
             one call: `assistant_model=drafter.with_generation_config(speculation="always")`.
         device_budgets (`dict`): tuned settings per device kind (`transformers_poss.devices.device_kind`, e.g.
             `"cpu:avx2/float32"`): `{kind: {"tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens",
-            "max_batch_size"}}` (any of them), written by `poss tune`. `generate` uses the entry of the device and
-            dtype the target runs on over the settings above, which are the budget for kinds without an entry (with
-            one warning naming `poss tune`). Settings given to `with_generation_config` apply on every kind.
+            "max_batch_size"}}` (any of them), written by `poss tune`. On a kind with an entry, `generate` takes the
+            entry's value for each setting the user left as it was loaded; settings the user set win on every kind.
+            Kinds without an entry draft with the settings above (with one warning naming `poss tune`, unless the
+            user set the tree budget). `budget_sources(kind)` says where each value comes from.
         kwargs: other `GenerationConfig` fields (unused by the drafter).
     """
 
@@ -396,30 +371,85 @@ class PosSGenerationConfig(GenerationConfig):
     }
     # What a device kind's entry in `device_budgets` may set.
     DEVICE_BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens", "max_batch_size")
+    # Where a setting `generate` uses comes from (`budget_sources`); tuned entries say "tuned for KIND".
+    SET_BY_USER = "set by the user"
+    DRAFTER_DEFAULT = "the drafter's default"
+    # The settings that make the tree budget: a kind without an entry warns unless the user set them all.
+    TREE_BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens")
+    # Private state, never saved: which `DEVICE_BUDGET_KEYS` the user set after the config was built or loaded.
+    _USER_SET = "_user_set_budget_keys"
 
     def __init__(self, **kwargs):
-        removed = sorted(set(kwargs) & set(REMOVED_GENERATION_SETTINGS))
-        if removed:
-            raise ValueError(" ".join(f"{name}: {REMOVED_GENERATION_SETTINGS[name]}" for name in removed))
         for name, default in self.POSS_DEFAULTS.items():
             setattr(self, name, copy.deepcopy(kwargs.pop(name, default)))
         super().__init__(**kwargs)
+        self.__dict__[self._USER_SET] = set()  # from here on, setting a budget key is the user's choice
+
+    def __setattr__(self, name, value):
+        user_set = self.__dict__.get(self._USER_SET)
+        if user_set is not None and name in self.DEVICE_BUDGET_KEYS:
+            user_set.add(name)
+        super().__setattr__(name, value)
+
+    @property
+    def user_settings(self) -> set[str]:
+        """The `DEVICE_BUDGET_KEYS` set since this config was built or loaded (by attribute, `update` or
+        `with_generation_config`): they override every device kind's entry."""
+        return set(self.__dict__.get(self._USER_SET, ()))
+
+    def to_dict(self) -> dict:
+        """`GenerationConfig.to_dict`; settings the user set leave the device entries (they apply on every kind, so
+        a saved and reloaded config drafts as this one does)."""
+        output = super().to_dict()
+        user_set = output.pop(self._USER_SET, set())
+        output["device_budgets"] = {
+            kind: {name: value for name, value in entry.items() if name not in user_set}
+            for kind, entry in output.get("device_budgets", {}).items()
+        }
+        return output
 
     @property
     def budget(self) -> dict:
         """The drafting settings (the `POSS_DEFAULTS` fields but `device_budgets`) as a dict."""
         return {name: getattr(self, name) for name in self.POSS_DEFAULTS if name != "device_budgets"}
 
+    def budget_sources(self, kind: str) -> dict[str, str]:
+        """Where each of `DEVICE_BUDGET_KEYS` that `generate` uses on device kind `kind` comes from: `SET_BY_USER`,
+        `"tuned for KIND"` (the kind's `device_budgets` entry) or `DRAFTER_DEFAULT` (this config's value as loaded)."""
+        entry = self.device_budgets.get(kind) or {}
+        user_set = self.user_settings
+        return {name: self.SET_BY_USER if name in user_set
+                else f"tuned for {kind}" if name in entry else self.DRAFTER_DEFAULT
+                for name in self.DEVICE_BUDGET_KEYS}
+
     def for_device(self, kind: str) -> tuple["PosSGenerationConfig", bool]:
-        """The settings `generate` uses on device kind `kind`: a copy with its `device_budgets` entry applied, and
-        whether there was one (without one, this config itself)."""
+        """The settings `generate` uses on device kind `kind` (`budget_sources` says where each comes from): a copy
+        with its `device_budgets` entry filling what the user did not set, and whether there was an entry (without
+        one, this config itself)."""
         entry = self.device_budgets.get(kind)
         if entry is None:
             return self, False
         config = copy.deepcopy(self)
+        user_set = self.user_settings
         for name, value in entry.items():
-            setattr(config, name, value)
+            if name not in user_set:
+                config.__dict__[name] = value  # not the user's setting: bypasses `__setattr__`'s record
         return config, True
+
+    def describe(self, kind: str) -> str:
+        """One line: the budget `generate` drafts with on device kind `kind`, each value with its source."""
+        resolved, _ = self.for_device(kind)
+        sources = self.budget_sources(kind)
+        parts = [f"{name}={getattr(resolved, name)} ({sources[name]})" for name in self.DEVICE_BUDGET_KEYS]
+        untuned = "" if kind in self.device_budgets else " [no budget tuned for this kind: poss tune]"
+        return f"on {kind}: draft_mode={resolved.draft_mode}, " + ", ".join(parts) + untuned
+
+    def __repr__(self):
+        from .devices import local_device_kinds
+
+        lines = [super().__repr__().rstrip("\n"), "What generate uses on this machine:"]
+        lines += [f"  {self.describe(kind)}" for kind in local_device_kinds()]
+        return "\n".join(lines) + "\n"
 
     def plain_reason(self, kind: str, batch_size: int) -> str | None:
         """Why `generate` should decode a batch of `batch_size` plainly on `kind` with these (resolved) settings, or
@@ -458,30 +488,24 @@ class PosSGenerationConfig(GenerationConfig):
                     f"got {entry!r}"
                 )
             resolved, _ = self.for_device(kind)
-            resolved.device_budgets = {}
+            resolved.__dict__["device_budgets"] = {}
             try:
                 resolved.validate()
             except ValueError as error:
                 raise ValueError(f"PosSGenerationConfig.device_budgets[{kind!r}]: {error}") from None
 
     def updated(self, **settings) -> "PosSGenerationConfig":
-        """A validated copy with `settings` changed; unknown names raise `ValueError`."""
-        removed = sorted(set(settings) & set(REMOVED_GENERATION_SETTINGS))
-        if removed:
-            raise ValueError(" ".join(f"{name}: {REMOVED_GENERATION_SETTINGS[name]}" for name in removed))
-        unknown = sorted(set(settings) - set(self.POSS_DEFAULTS) - set(GenerationConfig().to_dict()))
+        """A validated copy with drafting `settings` changed (they count as the user's: they apply on every device
+        kind). Anything but the `POSS_DEFAULTS` fields raises `ValueError`: sampling and stopping settings belong to
+        `generate`."""
+        unknown = sorted(set(settings) - set(self.POSS_DEFAULTS))
         if unknown:
-            raise ValueError(
-                f"Unknown generation settings {unknown}; PosS drafting settings are {list(self.POSS_DEFAULTS)}"
-            )
+            generate_settings = [name for name in unknown if name in GenerationConfig().to_dict()]
+            hint = (f" {generate_settings} are settings of generate() (sampling, length, stopping), not of drafting: "
+                    f"pass them to target.generate(..., {generate_settings[0]}=...), which the drafter follows."
+                    if generate_settings else "")
+            raise ValueError(f"Unknown drafting settings {unknown}; PosS drafting settings are "
+                             f"{list(self.POSS_DEFAULTS)}.{hint}")
         config = copy.deepcopy(self)
         config.update(**settings)
-        for entry in config.device_budgets.values():  # settings given for this call apply on every device kind
-            for name in set(settings) & set(entry):
-                del entry[name]
         return config
-
-    @classmethod
-    def from_legacy_config(cls, config_dict: dict) -> "PosSGenerationConfig":
-        """The settings a pre-`generation_config.json` drafter kept in its `config.json` (`LEGACY_GENERATION_KEYS`)."""
-        return cls(**{k: config_dict[k] for k in LEGACY_GENERATION_KEYS if k in config_dict})

@@ -47,3 +47,12 @@ def device_kind(device: torch.device | str, dtype: torch.dtype) -> str:
         capability = cpu_capability()
         return f"cpu:{capability}{'_bf16' if cpu_has_native_bf16() else ''}/{dtype_name}"
     return f"{device.type}/{dtype_name}"
+
+
+def local_device_kinds() -> list[str]:
+    """The kinds a target on this machine runs as in its usual dtypes: the CPU in bf16 and fp32, and the first GPU in
+    bf16 and fp16 where there is one."""
+    kinds = [device_kind("cpu", torch.bfloat16), device_kind("cpu", torch.float32)]
+    if torch.cuda.is_available():
+        kinds += [device_kind("cuda:0", torch.bfloat16), device_kind("cuda:0", torch.float16)]
+    return kinds

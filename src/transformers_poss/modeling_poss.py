@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.utils import ModelOutput
 
 from .checkpoints.native import HUB_KWARGS, read_drafter_files
-from .configuration_poss import LEGACY_RECORD_KEYS, PosSConfig, PosSGenerationConfig
+from .configuration_poss import RECORD_NAMES, PosSConfig, PosSGenerationConfig
 from . import kernels, layers
 from .kernels import DraftLinear, pack_int8, runs_int8
 from .layers import (
@@ -206,9 +206,8 @@ class PosSDrafter(PosSPreTrainedModel):
 
         Research checkpoints are converted on load; PosS ones need `num_specialists` and `positions_per_specialist`
         unless their repo is a known preset. A native folder's `generation_config.json`, `training_record.json` and
-        `tuning_record.json` are read too; folders saved before those files existed keep the budget and records in
-        `config.json`, and are converted on load. `int8_draft_weights=True` drafts with 8-bit weight copies on the CPU
-        (the `int8_draft_weights` attribute; default off, or what an older folder's generation config said).
+        `tuning_record.json` are read too. `int8_draft_weights=True` drafts with 8-bit weight copies on the CPU (the
+        `int8_draft_weights` attribute; default off).
         """
         drafter = cls._load(pretrained_model_name_or_path, *model_args, num_specialists=num_specialists,
                             positions_per_specialist=positions_per_specialist, **kwargs)
@@ -237,7 +236,6 @@ class PosSDrafter(PosSPreTrainedModel):
             hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
             files = read_drafter_files(pretrained_model_name_or_path, **hub_kwargs)
             drafter.generation_config = files.generation_config
-            drafter.int8_draft_weights = bool(files.int8_draft_weights)
             for key, record in files.records.items():
                 setattr(drafter, key, record)
         return drafter
@@ -257,7 +255,7 @@ class PosSDrafter(PosSPreTrainedModel):
         if is_main_process:
             folder = Path(save_directory)
             self.generation_config.save_pretrained(folder)
-            for key in LEGACY_RECORD_KEYS:
+            for key in RECORD_NAMES:
                 path = folder / f"{key}.json"
                 if getattr(self, key):
                     path.write_text(json.dumps(getattr(self, key), indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -405,10 +405,8 @@ def device_entry(result: TuneResult, batch_speedups: dict[int, float] | None) ->
 
 def merged_tuning_record(previous: dict, kind: str, record: dict) -> dict:
     """The drafter's tuning record with `record` as the entry of device kind `kind` (`{"device_kinds": {kind:
-    record}}`); a record of the earlier single-kind layout is kept under the kind it names, or `"unrecorded"`."""
+    record}}`), the other kinds' entries kept."""
     kinds = dict(previous.get("device_kinds") or {})
-    if previous and "device_kinds" not in previous:
-        kinds.setdefault(previous.get("device_kind", "unrecorded"), previous)
     kinds[kind] = record
     return {"device_kinds": kinds}
 

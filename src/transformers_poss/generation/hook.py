@@ -30,7 +30,7 @@ from ..devices import device_kind
 from .cache_surgery import has_sliding_window
 from .candidate_generator import PosSCandidateGenerator
 from .decoding import left_padding, tree_assisted_decoding
-from .stats import GenerationStats, PosSGenerateOutput
+from .stats import BudgetUsed, GenerationStats, PosSGenerateOutput
 
 MIN_TRANSFORMERS = "5.24.0"
 MAX_TRANSFORMERS_EXCLUSIVE = "6.0.0"
@@ -152,21 +152,28 @@ def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria
     on 8-bit draft weights where the drafter's `int8_draft_weights` says so."""
     drafter = kwargs["assistant_model"]
     kind = device_kind(self.device, self.dtype)
-    settings, tuned = drafter.generation_config.for_device(kind)
-    if not tuned:
+    configured = drafter.generation_config
+    settings, tuned = configured.for_device(kind)
+    if not tuned and not set(configured.TREE_BUDGET_KEYS) <= configured.user_settings:
         warnings.warn(  # one text per kind: Python shows it once
             f"This PosS drafter has no budget tuned for {kind} and drafts with its default budget; `poss tune "
             "DRAFTER_FOLDER --prompts ...` on this device measures and writes one.", UntunedDeviceWarning,
             stacklevel=4,
         )
+    budget = BudgetUsed(kind, {name: getattr(settings, name) for name in configured.DEVICE_BUDGET_KEYS},
+                        configured.budget_sources(kind))
     reason = settings.plain_reason(kind, input_ids.shape[0])
     if reason is not None:
-        return _decode_plainly(self, input_ids, logits_processor, stopping_criteria, generation_config, settings,
-                               reason, **kwargs)
-    if settings is not drafter.generation_config:
-        kwargs["assistant_model"] = drafter = drafter.with_settings(settings)
-    with drafter.int8_weights(drafter.int8_draft_weights):
-        return _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+        out = _decode_plainly(self, input_ids, logits_processor, stopping_criteria, generation_config, settings,
+                              reason, **kwargs)
+    else:
+        if settings is not configured:
+            kwargs["assistant_model"] = drafter = drafter.with_settings(settings)
+        with drafter.int8_weights(drafter.int8_draft_weights):
+            out = _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+    if isinstance(out, PosSGenerateOutput) and out.speculative_stats is not None:
+        out.speculative_stats.budget = budget
+    return out
 
 
 def _decode_plainly(self, input_ids, logits_processor, stopping_criteria, generation_config, settings, reason,

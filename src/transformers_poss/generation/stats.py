@@ -11,6 +11,26 @@ from ..metrics import mean_acceptance_length, position_acceptance
 
 
 @dataclass
+class BudgetUsed:
+    """The drafting budget one `generate` call ran with and where each value came from.
+
+    Attributes:
+        device_kind: the kind the target ran as (`transformers_poss.devices.device_kind`).
+        settings: `{name: value}` of `PosSGenerationConfig.DEVICE_BUDGET_KEYS` as used.
+        sources: `{name: source}`: "set by the user", "tuned for KIND" or "the drafter's default"
+            (`PosSGenerationConfig.budget_sources`).
+    """
+
+    device_kind: str
+    settings: dict
+    sources: dict
+
+    def summary(self) -> dict:
+        return {"device_kind": self.device_kind,
+                **{name: {"value": value, "source": self.sources[name]} for name, value in self.settings.items()}}
+
+
+@dataclass
 class GenerationStats:
     """Per-round record of a speculative `generate` call (`output.speculative_stats` with
     `return_dict_in_generate=True`).
@@ -27,6 +47,7 @@ class GenerationStats:
             `lookup_num_tokens`; counted in `acceptance_lengths` too).
         plain_reason: why the call decoded plainly without drafting (the drafter's settings for this device kind
             say speculation does not pay at this batch size), or None when it drafted.
+        budget: the budget the call ran with and each value's source (`BudgetUsed`; set by `generate`).
     """
 
     draft_mode: str
@@ -39,6 +60,7 @@ class GenerationStats:
     new_tokens: int = 0
     lookup_tokens: int = 0
     plain_reason: str | None = None
+    budget: BudgetUsed | None = None
 
     @classmethod
     def pooled(cls, rows: list[GenerationStats]) -> GenerationStats:
@@ -86,6 +108,7 @@ class GenerationStats:
             "new_tokens": self.new_tokens,
             "lookup_tokens": self.lookup_tokens,
             "plain_reason": self.plain_reason,
+            "budget": None if self.budget is None else self.budget.summary(),
             "mean_acceptance_length": self.mean_acceptance_length,
             "position_acceptance": self.position_acceptance,
             "time_split_s": self.time_split(),
