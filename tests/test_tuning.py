@@ -134,8 +134,16 @@ def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path,
     other.save_pretrained(tmp_path / "drafter")
     untouched = {name: (tmp_path / "drafter" / name).read_bytes() for name in ("config.json", "model.safetensors")}
     (tmp_path / "prompts.jsonl").write_text("".join(
-        json.dumps({"question_id": i, "category": "x", "turns": [f"hello there {i}"]}) + "\n" for i in range(2)))
+        json.dumps({"question_id": i, "category": "x", "turns": [f"hello there {i}", "again"][:i + 1]}) + "\n"
+        for i in range(2)))
     monkeypatch.setattr(tuning, "measure_batches", lambda *args, **kwargs: {1: 1.3, 2: 0.9})
+    measure_lookup = tuning.measure_lookup
+    measured = {}
+
+    def lookup_measured_for_real(target, drafter, prompts, lengths, max_new_tokens, progress=None):
+        measured.update(measure_lookup(target, drafter, prompts, lengths, max_new_tokens, progress))
+        return {0: 1.1, 10: 1.4}  # the branch wins here: the entry must say so
+    monkeypatch.setattr(tuning, "measure_lookup", lookup_measured_for_real)
     code = poss_main(["tune", str(tmp_path / "drafter"), "--target", str(tmp_path / "target"), "--prompts",
                       str(tmp_path / "prompts.jsonl"), "--dtype", "float32", "--top-k", "1,2", "--max-depth", "2",
                       "--totals", "2,4", "--max-new-tokens", "12", "--repeats", "1", "--batch-sizes", "1,2"])
@@ -146,7 +154,9 @@ def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path,
     chosen = records[kind]["chosen"]
     settings = json.loads((tmp_path / "drafter" / "generation_config.json").read_text())
     entry = settings["device_budgets"][kind]
-    assert entry == {**chosen, "max_batch_size": 1} and chosen["tree_depth"] <= 2
+    assert entry == {**chosen, "lookup_num_tokens": 10, "max_batch_size": 1} and chosen["tree_depth"] <= 2
+    assert set(measured) == {0, 10} and all(speedup > 0 for speedup in measured.values())
+    assert records[kind]["lookup_speedups"] == {"0": 1.1, "10": 1.4}
     assert settings["device_budgets"]["cuda:Other GPU/bfloat16"] == {"tree_depth": 5}
     assert settings["tree_depth"] == drafter.generation_config.tree_depth  # the default budget stays
     assert all((tmp_path / "drafter" / name).read_bytes() == data for name, data in untouched.items())
@@ -175,3 +185,10 @@ def test_draft_timing_drafts_as_generate_would(fitted_pairs, monkeypatch, int8):
     assert sorted(seconds) == [(1, 2), (2, 2)] and all(s > 0 for s in seconds.values())
     assert bool(products) == int8
     assert not any(getattr(module, "int8", False) for module in drafter.modules())
+
+
+def test_the_fastest_lookup_length_wins_and_a_tie_keeps_the_shorter():
+    from transformers_poss.tuning import fastest_lookup
+
+    assert fastest_lookup({0: 1.5, 10: 1.9}) == 10 and fastest_lookup({0: 1.5, 10: 1.2}) == 0
+    assert fastest_lookup({0: 1.5, 4: 1.5, 10: 1.5}) == 0

@@ -27,6 +27,11 @@ forward and emits `a + 1` tokens (`a` accepted drafts plus the target's own next
   bound for budgets whose trees leave the calibrated one.
 
 Plain decoding is timed on the same prompts (`target.generate`, greedy), so each budget also gets a predicted speedup.
+
+The prompt-lookup branch (`lookup_num_tokens`) is measured, not modelled: with the chosen tree budget, `generate` runs
+on the calibration prompts and, for questions with a second turn, on that follow-up after the target's own first
+answer (where answers repeat what came before), once per branch length in `--lookup-tokens` (0: no branch) and
+plainly, interleaved prompt by prompt; the entry gets the length with the highest measured speedup.
 """
 
 from __future__ import annotations
@@ -236,8 +241,8 @@ def tune(target, drafter, prompts: list[torch.LongTensor], *, top_ks=(1, 2, 4, 8
     """Calibrate on `prompts` (token ids `[1, L]` each) and rank every budget in the grid by predicted tokens/s.
 
     The drafter must be bound to `target`; its settings are left as they are (calibration passes views of it with
-    other settings, `with_generation_config`). The prompt-lookup branch
-    (`lookup_num_tokens`) is not modelled: calibration runs without it, and the budget is chosen for the drafted tree.
+    other settings, `with_generation_config`). Calibration runs without the prompt-lookup branch, and the budget is
+    chosen for the drafted tree; `measure_lookup` then times the branch with it.
     """
     log = progress or (lambda message: None)
     if not prompts:
@@ -337,6 +342,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if values and min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from .assets import DTYPES
 
@@ -360,6 +375,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "generate against the drafter) and record the largest where speculation pays "
                              "(max_batch_size; needs as many calibration questions as the largest size)")
     parser.add_argument("--batch-max-new-tokens", type=int, default=64, help="new tokens per batch measurement")
+    parser.add_argument("--lookup-tokens", type=_lengths, default=[0, 10], metavar="N,N,...",
+                        help="prompt-lookup branch lengths to measure with the chosen budget (0: no branch); the "
+                             "fastest goes into the entry (default: 0,10; '' skips the measurement and leaves the "
+                             "drafter's own setting)")
     parser.add_argument("--int8-draft-weights", choices=("on", "off"), default=None,
                         help="tune drafting on 8-bit weight copies (CPU) or not (default: the drafter's own choice; "
                              "the shipped drafters have it on)")
@@ -391,11 +410,60 @@ def measure_batches(target, tokenizer, drafter, questions, batch_sizes, max_new_
     return {row["batch_size"]: row["speedup"] for row in rows if row["method"] == "poss"}
 
 
-def device_entry(result: TuneResult, batch_speedups: dict[int, float] | None) -> dict:
-    """The `device_budgets` entry a tuning run writes: the best budget, and `max_batch_size` where measured (or 0
-    when no budget is predicted to beat plain decoding)."""
+@torch.no_grad()
+def measure_lookup(target, drafter, prompts: list[torch.LongTensor], lengths, max_new_tokens: int,
+                   progress=None) -> dict[int, float]:
+    """`{length: speedup}`: tokens/s of `generate` with `drafter` (its budget as it is) and a prompt-lookup branch of
+    each `length` (0: none), over plain greedy `generate`, on `prompts` (token ids `[1, L]` each); every prompt runs
+    plainly and with each length in turn, so drift slows them alike."""
+    log = progress or (lambda message: None)
+    views = {n: drafter.with_generation_config(lookup_num_tokens=n, speculation="always") for n in lengths}
+    seconds = {n: 0.0 for n in ["plain", *lengths]}
+    tokens = dict.fromkeys(seconds, 0)
+    for number, ids in enumerate(prompts, start=1):
+        log(f"timing the prompt-lookup branch {list(lengths)} on prompt {number} of {len(prompts)} ...")
+        ids = ids.to(target.device)
+        for n in seconds:
+            extra = {} if n == "plain" else {"assistant_model": views[n]}
+            start = time.perf_counter()
+            out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **extra)
+            seconds[n] += time.perf_counter() - start
+            tokens[n] += out.shape[1] - ids.shape[1]
+    plain = tokens["plain"] / seconds["plain"]
+    return {n: tokens[n] / seconds[n] / plain for n in lengths}
+
+
+def fastest_lookup(speedups: dict[int, float]) -> int:
+    """The branch length with the highest measured speedup (`{length: speedup}`), the shorter one on a tie."""
+    return max(speedups, key=lambda n: (speedups[n], -n))
+
+
+def lookup_prompts(target, tokenizer, questions, max_new_tokens: int, use_chat_template: bool = True):
+    """Token ids `[1, L]` of each question's first turn and, where it has a second, of that follow-up after the
+    target's own greedy first answer (the turns where a lookup branch can copy from the conversation)."""
+    from .evaluation.prompts import chat_prompt
+
+    prompts = []
+    for question in questions:
+        first = tokenizer(chat_prompt(tokenizer, question.turns, [], use_chat_template), return_tensors="pt").input_ids
+        prompts.append(first)
+        if len(question.turns) > 1:
+            out = target.generate(first.to(target.device), max_new_tokens=max_new_tokens, do_sample=False)
+            answer = tokenizer.decode(out[0, first.shape[1]:], skip_special_tokens=True)
+            text = chat_prompt(tokenizer, question.turns, [answer], use_chat_template)
+            prompts.append(tokenizer(text, return_tensors="pt").input_ids)
+    return prompts
+
+
+def device_entry(result: TuneResult, batch_speedups: dict[int, float] | None,
+                 lookup_speedups: dict[int, float] | None = None) -> dict:
+    """The `device_budgets` entry a tuning run writes: the best budget, the prompt-lookup branch length that ran
+    fastest where measured, and `max_batch_size` where measured (or 0 when no budget is predicted to beat plain
+    decoding)."""
     best = result.best
     entry = {"tree_depth": best.depth, "tree_top_k": best.top_k, "tree_total_tokens": best.total_tokens}
+    if lookup_speedups:
+        entry["lookup_num_tokens"] = fastest_lookup(lookup_speedups)
     if batch_speedups:
         entry["max_batch_size"] = largest_paying_batch(batch_speedups)
     elif result.speedup(best) < 1:
@@ -465,20 +533,30 @@ def run_tune(args) -> int:
           f"top_k {best.top_k}, total_tokens {best.total_tokens}: predicted {result.speedup(best):.2f}x on {kind}")
     if result.speedup(best) < 1:
         print("note: no budget is predicted to beat plain decoding with this drafter on this device")
+    budget = drafter.with_generation_config(tree_depth=best.depth, tree_top_k=best.top_k,
+                                            tree_total_tokens=best.total_tokens)
+    lookup_speedups = None
+    if args.lookup_tokens:
+        measured = lookup_prompts(target, tokenizer, questions, args.max_new_tokens)
+        lookup_speedups = measure_lookup(target, budget, measured, args.lookup_tokens, args.max_new_tokens,
+                                         progress=log)
+        print("\nprompt-lookup branch with this budget (measured speedup): "
+              + ", ".join(f"{n} tokens: {s:.2f}x" for n, s in lookup_speedups.items()))
+        budget = budget.with_generation_config(lookup_num_tokens=fastest_lookup(lookup_speedups))
     batch_speedups = None
     if args.batch_sizes:
-        budget = drafter.with_generation_config(tree_depth=best.depth, tree_top_k=best.top_k,
-                                                tree_total_tokens=best.total_tokens)
         batch_speedups = measure_batches(target, tokenizer, budget, questions, args.batch_sizes,
                                          args.batch_max_new_tokens, progress=log)
         print("\n" + ", ".join(f"batch {b}: {s:.2f}x" for b, s in sorted(batch_speedups.items())))
-    entry = device_entry(result, batch_speedups)
+    entry = device_entry(result, batch_speedups, lookup_speedups)
     print(f"entry for {kind}: {json.dumps(entry)}")
     if args.dry_run:
         return 0
     record = result.record()
     record.update(device_kind=kind, entry=entry, command=typed_command(), int8_draft_weights=drafter.int8_draft_weights,
                   device=f"{device} ({str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads)")
+    if lookup_speedups:
+        record["lookup_speedups"] = {str(n): round(s, 3) for n, s in lookup_speedups.items()}
     if batch_speedups:
         record["batch_speedups"] = {str(b): round(s, 3) for b, s in sorted(batch_speedups.items())}
     settings = drafter.generation_config
