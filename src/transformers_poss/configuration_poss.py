@@ -61,6 +61,10 @@ class PosSConfig(PretrainedConfig):
         positions_per_specialist (`int`): draft positions each specialist serves ("PosS-k"); position `p`
             (1-based) uses specialist `min((p - 1) // k, num_specialists - 1)`. A single specialist is an
             EAGLE-2/HASS drafter.
+        position_groups (`list[int]`, *optional*): uneven groups instead: how many consecutive draft positions each
+            specialist serves, one entry per specialist, e.g. `[1, 3, 4]`: position 1 alone, positions 2-4, then
+            5 on (the last specialist serves every later position too). Overrides `positions_per_specialist`;
+            `None` (default): `num_specialists` groups of `positions_per_specialist`.
         fc_bias (`bool`, *optional*): whether `fc` has a bias; default `True` (EAGLE research code), `False` for
             EAGLE-3 (every EAGLE-3 reference, and vLLM, builds `fc` without one).
         feature_layers (`list[int]`, *optional*): the target hidden states the drafter reads, as
@@ -96,6 +100,7 @@ class PosSConfig(PretrainedConfig):
     target_name_or_path: str | None = None
     num_specialists: int = 1
     positions_per_specialist: int = 1
+    position_groups: list[int] | None = None
     fc_bias: bool | None = None
     feature_layers: list[int] | None = None
     draft_vocab_size: int | None = None
@@ -192,11 +197,50 @@ class PosSConfig(PretrainedConfig):
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.vocab_size
 
+    @property
+    def group_sizes(self) -> list[int]:
+        """Draft positions each specialist serves, in order: `position_groups`, or `num_specialists` times
+        `positions_per_specialist`."""
+        if self.position_groups is not None:
+            return list(self.position_groups)
+        return [self.positions_per_specialist] * self.num_specialists
+
+    @property
+    def has_uneven_groups(self) -> bool:
+        return len(set(self.group_sizes)) > 1
+
+    def describe_groups(self) -> str:
+        """The position groups in words, e.g. `"1 | 2-4 | 5+"`."""
+        parts, first = [], 1
+        for index, size in enumerate(self.group_sizes):
+            last = first + size - 1
+            if index == len(self.group_sizes) - 1:
+                parts.append(f"{first}+")
+            else:
+                parts.append(str(first) if size == 1 else f"{first}-{last}")
+            first = last + 1
+        return " | ".join(parts)
+
     def specialist_for_position(self, position: int) -> int:
-        """Index of the specialist that drafts 1-based draft `position` within a round."""
+        """Index of the specialist that drafts 1-based draft `position` within a round: the group holding it, the
+        last specialist past the last group."""
         if position < 1:
             raise ValueError(f"draft positions are 1-based, got {position}")
-        return min((position - 1) // self.positions_per_specialist, self.num_specialists - 1)
+        end = 0
+        for index, size in enumerate(self.group_sizes):
+            end += size
+            if position <= end:
+                return index
+        return self.num_specialists - 1
+
+    def check_groups_cover(self, depth: int) -> None:
+        """Raise `ValueError` when explicit `position_groups` do not cover draft positions `1 .. depth` (training
+        unrolls them: a later position would fall to the last specialist without being named)."""
+        if self.position_groups is not None and sum(self.position_groups) < depth:
+            raise ValueError(
+                f"position_groups {list(self.position_groups)} cover draft positions 1..{sum(self.position_groups)}; "
+                f"training unrolls {depth}: make the groups cover every trained position (e.g. a larger last group)"
+            )
 
     def layer_config(self) -> PretrainedConfig:
         """The target family's config for the drafter's `num_specialists` full-attention decoder layers (a Llama
@@ -228,6 +272,17 @@ class PosSConfig(PretrainedConfig):
         """Raise `ValueError` on settings no drafter can be built with."""
         for name in ("num_specialists", "positions_per_specialist"):
             _check_int("PosSConfig", name, getattr(self, name), 1)
+        groups = self.position_groups
+        if groups is not None:
+            if (not isinstance(groups, (list, tuple)) or not groups
+                    or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 1 for g in groups)):
+                raise ValueError(f"PosSConfig.position_groups must be None or a list of integers >= 1, got {groups!r}")
+            if len(groups) != self.num_specialists:
+                raise ValueError(
+                    f"PosSConfig.position_groups {list(groups)} names {len(groups)} groups for {self.num_specialists} "
+                    "specialists: give one group size per specialist"
+                )
+            self.position_groups = list(groups)
         if self.draft_vocab_size is not None and (
             not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1
             or (self.vocab_size is not None and self.draft_vocab_size > self.vocab_size)

@@ -27,7 +27,7 @@ def _run_convert(args) -> int:
     write_card(drafter, args.destination, overwrite=True, license=args.license)
     config = drafter.config
     print(
-        f"wrote {args.destination}: {config.num_specialists} specialist(s), PosS-{config.positions_per_specialist}, "
+        f"wrote {args.destination}: {config.num_specialists} specialist(s), position groups {config.describe_groups()}, "
         f"target {config.target_name_or_path or 'not recorded (pass --target-name-or-path)'}"
     )
     return 0

@@ -33,8 +33,11 @@ class TrainingArguments:
     val_max_examples: int = field(default=500, metadata={"help": "at most this many held-out examples"})
     num_specialists: int = field(default=1, metadata={"help": "position specialists (decoder layers)"})
     positions_per_specialist: int = field(default=1, metadata={"help": "draft positions per specialist (PosS-k)"})
+    position_groups: str | None = field(default=None, metadata={
+        "help": "uneven position groups instead, one size per specialist, comma separated (e.g. 1,3,4: position 1, "
+                "positions 2-4, then 5 on); --num-specialists defaults to their number"})
     depth: int | None = field(default=None, metadata={
-        "help": "unrolled training steps (default: num_specialists * positions_per_specialist, at least 3)"})
+        "help": "unrolled training steps (default: every specialist's positions, at least 3)"})
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "reduced draft vocabulary: the N most frequent assistant tokens of the training data"})
     draft_head_rows: int | None = field(default=None, metadata={
@@ -98,9 +101,29 @@ class TrainingArguments:
         """`--feature-layers` as integers (None when not given)."""
         return None if self.feature_layers is None else parse_feature_layers(self.feature_layers)
 
+    def position_group_list(self) -> list[int] | None:
+        """`--position-groups` as integers (None when not given); `ValueError` when malformed."""
+        if self.position_groups is None:
+            return None
+        try:
+            groups = [int(part) for part in self.position_groups.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"--position-groups must be comma-separated integers, got {self.position_groups!r}") from None
+        if not groups or min(groups) < 1:
+            raise ValueError(f"--position-groups must be integers >= 1, got {self.position_groups!r}")
+        return groups
+
+    def specialist_count(self) -> int:
+        """`--num-specialists`, or the number of `--position-groups` when those are given and it was left at 1."""
+        groups = self.position_group_list()
+        return len(groups) if groups and self.num_specialists == 1 else self.num_specialists
+
     def unroll_depth(self) -> int:
         """`--depth`, or its default: every specialist's positions, at least 3."""
-        return self.depth if self.depth is not None else max(self.num_specialists * self.positions_per_specialist, 3)
+        if self.depth is not None:
+            return self.depth
+        groups = self.position_group_list()
+        return max(sum(groups) if groups else self.num_specialists * self.positions_per_specialist, 3)
 
     def check(self) -> None:
         """Raise `ValueError` on settings that cannot train, before any work."""
@@ -136,6 +159,13 @@ class TrainingArguments:
         if self.val_steps < 0:
             raise ValueError(f"--val-steps must be >= 0, got {self.val_steps}")
         self.feature_layer_list()  # raises on a malformed --feature-layers
+        groups = self.position_group_list()
+        if groups and self.specialist_count() != len(groups):
+            raise ValueError(f"--position-groups {self.position_groups} names {len(groups)} groups for "
+                             f"--num-specialists {self.num_specialists}: give one group size per specialist")
+        if groups and sum(groups) < self.unroll_depth():
+            raise ValueError(f"--position-groups {self.position_groups} cover draft positions 1..{sum(groups)}; "
+                             f"--depth {self.unroll_depth()} trains more: make the groups cover every trained position")
         if self.drafter_type not in ("eagle", "eagle3"):
             raise ValueError(f"--drafter-type must be eagle or eagle3, got {self.drafter_type!r}")
         if self.norm_before_residual and self.drafter_type != "eagle3":

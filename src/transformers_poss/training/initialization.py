@@ -30,7 +30,8 @@ def build_drafter(args: TrainingArguments, target, feature_layers: list[int] | N
         variant = {"drafter_type": "eagle3", "norm_before_residual": args.norm_before_residual, "fc_bias": False}
         feature_layers = fused
     drafter = PosSDrafter.from_target(
-        target, num_specialists=args.num_specialists, positions_per_specialist=args.positions_per_specialist,
+        target, num_specialists=args.specialist_count(), positions_per_specialist=args.positions_per_specialist,
+        position_groups=args.position_group_list(),
         draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows,
         **{"fc_bias": args.fc_bias, "feature_layers": feature_layers, **variant},
     )

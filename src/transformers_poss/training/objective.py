@@ -114,13 +114,13 @@ def check_trainable(drafter: PosSDrafter, depth: int) -> None:
     config = drafter.config
     if not isinstance(depth, int) or depth < 1:
         raise ValueError(f"unroll depth must be an integer >= 1, got {depth!r}")
+    config.check_groups_cover(depth)
     used = {config.specialist_for_position(p) for p in range(1, depth + 1)}
     if len(used) < config.num_specialists:
-        needed = (config.num_specialists - 1) * config.positions_per_specialist + 1
+        needed = sum(config.group_sizes[:-1]) + 1
         raise ValueError(
             f"unroll depth {depth} never reaches specialists {sorted(set(range(config.num_specialists)) - used)}: "
-            f"use depth >= {needed} for {config.num_specialists} specialists x {config.positions_per_specialist} "
-            "positions"
+            f"use depth >= {needed} for position groups {config.describe_groups()}"
         )
     implementation = drafter.specialists[0].self_attn.config._attn_implementation
     if implementation not in ("sdpa", "eager"):
