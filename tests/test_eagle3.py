@@ -172,7 +172,7 @@ def write_layout(drafter: PosSDrafter, folder, layout: str) -> dict:
     n = drafter.config.num_specialists
     assert n == 1 or layout in ("speculators", "poss_eagle3"), "SafeAILab / SpecForge layouts hold one layer"
     prefix = {"safeailab": "midlayer.", "specforge": "midlayer.", "speculators": "layers.{i}.",
-              "poss_eagle3": "midlayer.{i}."}[layout]
+              "poss_eagle3": "layers.{i}."}[layout]
     tensors = {}
     for name, value in drafter.state_dict().items():
         if name.startswith("specialists."):
@@ -191,7 +191,7 @@ def write_layout(drafter: PosSDrafter, folder, layout: str) -> dict:
         config["architectures"] = ["LlamaForCausalLM"]
         torch.save(tensors, folder / "pytorch_model.bin")
     elif layout in ("specforge", "poss_eagle3"):
-        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        config["architectures"] = ["LlamaForCausalLMEagle3" if layout == "specforge" else "LlamaForCausalLMPosSEagle3"]
         save_file(tensors, str(folder / "model.safetensors"))
     else:
         tensors["embed_tokens.weight"] = drafter.bound_target.get_input_embeddings().weight.detach().cpu().clone()
@@ -358,10 +358,9 @@ def test_wrong_target_and_stacked_drafters_are_refused(tmp_path):
             value = value[:, :64].clone()
         tensors["layers.1." + name[len("layers.0."):]] = value.clone()
     save_file(tensors, str(tmp_path / "spec" / "model.safetensors"))
-    with pytest.raises(ValueError, match="stacked"):
-        PosSDrafter.from_pretrained(tmp_path / "spec", positions_per_specialist=1)
-    with pytest.raises(ValueError, match="positions_per_specialist"):
-        PosSDrafter.from_pretrained(tmp_path / "spec")
+    for options in ({"positions_per_specialist": 1}, {}):
+        with pytest.raises(ValueError, match="stacked EAGLE-3 drafter"):
+            PosSDrafter.from_pretrained(tmp_path / "spec", **options)
 
 
 def test_convert_cli_writes_a_native_folder(tmp_path):

@@ -108,6 +108,38 @@ def test_vllm_export_of_specialist_zero_alone_and_of_an_eagle3_drafter(tmp_path)
     assert "fc.bias" not in tensors and tensors["specialists.1.self_attn.q_proj.weight"].shape[1] == 128
 
 
+def test_vllm_export_of_the_authors_poss_on_eagle3_checkpoint(tmp_path, capsys):
+    """A PosS-E3 folder in the authors' SpecForge layout (test_poss_e3_checkpoints) exports with `poss export
+    --format vllm SRC DST --target T` as it is: 3 specialists of 3 positions (the plugin's map is the authors'
+    training map), the fused layers of T's depth, the checkpoint's tensors under the drafter's names."""
+    from test_poss_e3_checkpoints import authors_training_layer, random_poss_e3_tensors, write_poss_e3
+
+    tensors = random_poss_e3_tensors(3)
+    source = write_poss_e3(tmp_path / "e3", tensors)
+    target = tmp_path / "target"
+    tiny_target("llama", num_hidden_layers=8).save_pretrained(target)
+    assert cli.main(["export", "--format", "vllm", str(source), str(tmp_path / "alone")]) == 2
+    assert "does not name the target layers it fuses" in capsys.readouterr().err
+    assert cli.main(["export", "--format", "vllm", str(source), str(tmp_path / "out"), "--target", str(target)]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    poss = config["poss"]
+    assert config["architectures"] == ["PosSEagle3LlamaForCausalLM"] and poss["drafter_type"] == "eagle3"
+    assert (poss["num_specialists"], poss["positions_per_specialist"], poss["draft_vocab_size"]) == (3, 3, 40)
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 3
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and poss["target"]["num_hidden_layers"] == 8
+    assert poss.get("position_groups") in (None, [3, 3, 3])  # the groups the plugin maps positions with
+    n, k = poss["num_specialists"], poss["positions_per_specialist"]
+    for position in range(1, 10):  # the plugin's map of positions to specialists, on the exported settings
+        assert min((position - 1) // k, n - 1) == authors_training_layer(position)
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    for name, value in tensors.items():
+        if name.startswith("layers."):
+            assert torch.equal(exported["specialists." + name[len("layers."):]], value), name
+    assert torch.equal(exported["fc.weight"], tensors["fc.weight"]) and "fc.bias" not in exported
+    assert torch.equal(exported["draft_lm_head.weight"], tensors["lm_head.weight"])
+    assert exported["draft_to_target"].tolist() == (torch.arange(40) + tensors["d2t"]).tolist()
+
+
 def test_vllm_export_refusals(tmp_path):
     target = tiny_target("llama")
     with pytest.raises(ValueError, match="feature_layers unset or"):

@@ -4,9 +4,9 @@
 `pytorch_model.bin`). Tensor names and shapes (`H` hidden size, `V` target vocabulary, `Vd` draft vocabulary, `A`
 heads x head dim, `K` KV heads x head dim, `I` MLP width, `n` fused target states, 3 in every release):
 
-| | SafeAILab EAGLE-3 | SpecForge / SpecBundle | speculators (`speculators_model_type: eagle3`) | PosS on EAGLE-3 (inferred) |
+| | SafeAILab EAGLE-3 | SpecForge / SpecBundle | speculators (`speculators_model_type: eagle3`) | PosS on EAGLE-3 |
 |---|---|---|---|---|
-| layer prefix | `midlayer.` | `midlayer.` | `layers.0.` | `midlayer.{i}.` or `layers.{i}.`, one per specialist |
+| layer prefix | `midlayer.` | `midlayer.` | `layers.0.` | `layers.{i}.` (or `midlayers.{i}.`), one per specialist |
 | q / k / v | `[A, 2H]` / `[K, 2H]` / `[K, 2H]` | same | same | same, every layer |
 | o, MLP | `o_proj [H, A]`, `gate/up [I, H]`, `down [H, I]` | same | same | same |
 | norms | `input_layernorm`, `hidden_norm`, `post_attention_layernorm` `[H]` | same | same | same |
@@ -14,7 +14,7 @@ heads x head dim, `K` KV heads x head dim, `I` MLP width, `n` fused target state
 | head | `norm.weight [H]`, `lm_head.weight [Vd, H]` | same | same | same |
 | vocab map | `d2t [Vd]` int64, `t2d [V]` bool | same | same | same |
 | embedding | not saved (frozen, excluded) | not saved | `embed_tokens.weight [V, H]` may be saved | not saved |
-| layer config | top level (a Llama config, `draft_vocab_size`) | top level, `architectures: LlamaForCausalLMEagle3` | `transformer_layer_config` | top level |
+| layer config | top level (a Llama config, `draft_vocab_size`) | top level, `LlamaForCausalLMEagle3` | `transformer_layer_config` | top level, `LlamaForCausalLMPosSEagle3` |
 | residual | `hidden` | `hidden` | `norm_before_residual` | `hidden` |
 
 Sources: SafeAILab/EAGLE `eagle/model/cnets.py` (`LlamaDecoderLayeremb`, `Model`: `fc` without bias, `norm`,
@@ -31,10 +31,44 @@ eagle3_target_model.py` (outputs of layers `1, L // 2 - 1, L - 4`, i.e. the same
 default `False`, `eagle_aux_hidden_state_layer_ids`, `speculators_config.{proposal_methods, verifier}`),
 `src/speculators/models/eagle3.py` (`Eagle3DecoderLayer`: with `norm_before_residual` the residual is
 `hidden_norm(hidden)`); vllm-project/vllm `vllm/model_executor/models/llama_eagle3.py` (renames `midlayer.` to
-`layers.0.`, `d2t` to `draft_id_to_target_id`, skips `t2d`, `fc` without bias, `target = arange(Vd) + d2t`) and
+`layers.0.`, `d2t` to `draft_id_to_target_id`, skips `t2d`, `fc` without bias, `target = arange(Vd) + d2t`; layers
+after the first of a multi-layer (stacked) drafter read `H` and all run in sequence) and
 `vllm/transformers_utils/configs/speculators/algos.py` (reads `norm_before_residual`, default `True` when absent).
-The PosS-on-EAGLE-3 release (`HINT-lab/PosS3-E3-Llama3.1-8B-Instruct`, trained with SpecForge) has no published
-code here: its layout is inferred (SpecForge's, one EAGLE-3 layer per specialist) and not verified.
+
+**PosS on EAGLE-3** (`HINT-lab/PosS3-E3-Llama3.1-8B-Instruct`, trained with the authors' SpecForge fork in
+shrango/PosS `specforge/`). Sources, all in shrango/PosS: `specforge/specforge/modeling/draft/llama3_poss_eagle.py`
+(`LlamaForCausalLMPosSEagle3`: `layers`, a list of `(ttt_length - 1) // 3 + 1` EAGLE-3 layers whose q/k/v all read
+`2H` (`midlayers` in the file's version at commit ae024e72), `fc` `3H -> H` without bias, `norm`, `lm_head [Vd, H]`,
+`d2t`/`t2d` buffers; `pos_per_layer = 3 # fixed to 3`, `layer_select(forward_num) = forward_num // 3`; a hard
+(1, 3, 4) split is commented out as "actually performs better", and is not what ran),
+`specforge/specforge/core/poss_eagle3.py` (TTT step `idx`, 0-based, runs with `forward_num=idx`),
+`specforge/scripts/train_poss_eagle3_online.py` (`--ttt-length` 7 by default; a checkpoint is
+`draft_model.save_pretrained(dir, state_dict=...)` without `embed` keys, so `config.json` is the draft Llama config
+with `architectures: ["LlamaForCausalLMPosSEagle3"]`, the class name `save_pretrained` writes; neither positions per
+layer nor TTT length is saved), `specforge/run_llama3.1_poss_eagle3_online_mix_data.sh` (Llama-3.1-8B-Instruct,
+`configs/llama3-8B-eagle3.json`, `--ttt-length 8`: 3 layers), and their vLLM fork:
+`vllm/vllm/model_executor/models/registry.py` (`LlamaForCausalLMPosSEagle3` served by `Eagle3LlamaForCausalLM`),
+`vllm/vllm/model_executor/models/llama_eagle3.py` (`num_hidden_layers` layers, each reading `2H`, loaded from
+`layers.{i}.*`), `vllm/vllm/v1/spec_decode/eagle.py` (chain drafting; position 1 runs layer 0, draft step
+`token_index` (position `token_index + 2`) runs `select_layer_idx(token_index) = (token_index + 1) // 3`, only when
+the drafter's name contains "poss"), `vllm/run_vllm_eval.py` (7 draft tokens).
+
+- Told apart from a stacked EAGLE-3 drafter by `architectures: ["LlamaForCausalLMPosSEagle3"]` and by its weights:
+  every layer reads `2H`; a stacked drafter's later layers read `H` (refused: its layers run in sequence, not one per
+  position). A folder of several `2H` layers without that architecture needs `positions_per_specialist`.
+- Positions per specialist: `positions_per_specialist` from `config.json` when it is saved there, else the authors'
+  fixed 3 for `LlamaForCausalLMPosSEagle3` (SpecForge saves no such key), else a known repo (`EAGLE3_PRESETS`).
+- Position to layer: training's step `forward_num = p - 1` drafts position `p` with layer `(p - 1) // 3`, and so does
+  their vLLM port (`(token_index + 1) // 3` with `token_index = p - 2`): the two agree. The native
+  `PosSConfig.specialist_for_position(p) = min((p - 1) // k, n - 1)` is that mapping for every trained position
+  `p <= 3n`; later positions, which no layer was trained for (training would index past its layers, their vLLM port
+  too), reuse the last layer.
+- Keys and values differ from training: SpecForge's layers share one key/value list (the context's keys are layer
+  0's, from TTT step 0; each later step adds its own layer's), while this library and `poss_vllm` give each
+  specialist keys and values of the context and of earlier draft levels computed with its own weights (the PosS
+  semantics of the EAGLE-2-era release). Drafts stay lossless; acceptance at positions `> 3` may differ from the
+  authors'. (Their vLLM port keeps one KV cache per layer and runs layers `> 0` on draft steps only, so those read
+  context slots they never wrote.)
 
 **Conversion.** Layer `i` becomes `specialists.{i}` unchanged; `fc`, `norm` keep their names; `lm_head` becomes
 `draft_lm_head`; the offsets `d2t` become absolute target ids `draft_to_target = arange(Vd) + d2t` (checked against
@@ -70,11 +104,15 @@ EAGLE3_PRESETS = {
     "yuhuili/eagle3-llama3.1-instruct-8b": (_LLAMA_3_1_8B_INSTRUCT, 32, None),
     "hint-lab/poss3-e3-llama3.1-8b-instruct": (_LLAMA_3_1_8B_INSTRUCT, 32, 3),
 }
+# What the authors' SpecForge fork saves (module docstring): the class name, and its fixed positions per layer.
+POSS_EAGLE3_ARCHITECTURE = "LlamaForCausalLMPosSEagle3"
+POSS_EAGLE3_POSITIONS_PER_LAYER = 3
 LAYOUT_NAMES = {
     "safeailab": "EAGLE-3 (SafeAILab)", "specforge": "EAGLE-3 (SpecForge / SpecBundle)",
     "speculators": "speculators (eagle3)", "poss_eagle3": "PosS on EAGLE-3",
 }
 _CONFIG_OVERRIDES = ("target_name_or_path", "feature_layers")
+_LAYER_STEMS = ("midlayer", "midlayers", "layers")  # numbered layers: `{stem}.{i}.`
 
 
 # ---- recognising --------------------------------------------------------------------------------------------------
@@ -86,6 +124,11 @@ def eagle3_config_layout(config: dict) -> str | None:
     if "draft_vocab_size" in config or any("eagle3" in str(a).lower() for a in architectures):
         return "eagle3"
     return None
+
+
+def is_poss_eagle3_config(config: dict) -> bool:
+    """Whether `config` names the authors' PosS-on-EAGLE-3 class (`architectures: [LlamaForCausalLMPosSEagle3]`)."""
+    return POSS_EAGLE3_ARCHITECTURE in (config.get("architectures") or [])
 
 
 def is_eagle3_checkpoint(path_or_id, **hub_kwargs) -> bool:
@@ -103,18 +146,25 @@ def _preset(source: str):
 
 
 def layer_prefixes(state: dict) -> tuple[str, list[str]]:
-    """`(layout, [prefix of layer i])` from the tensor names: one `midlayer.` (SafeAILab / SpecForge), numbered
-    `midlayer.{i}.` (PosS on EAGLE-3), or `layers.{i}.` (speculators; several = PosS specialists or a stack)."""
+    """`(stem, [prefix of layer i])` from the tensor names: one `midlayer.` (SafeAILab / SpecForge), or numbered
+    `layers.{i}.` (speculators; PosS on EAGLE-3), `midlayers.{i}.` or `midlayer.{i}.` (PosS on EAGLE-3)."""
     keys = list(state)
     if any(k.startswith("midlayer.self_attn.") for k in keys):
         return "midlayer", ["midlayer."]
-    for stem in ("midlayer", "layers"):
+    for stem in _LAYER_STEMS:
         indices = sorted({int(k.split(".")[1]) for k in keys if k.startswith(stem + ".") and k.split(".")[1].isdigit()})
         if indices:
             if indices != list(range(len(indices))):
                 raise ValueError(f"layers {indices} under '{stem}.' are not numbered 0 .. {len(indices) - 1}")
             return stem, [f"{stem}.{i}." for i in indices]
-    raise ValueError("no EAGLE-3 layer weights ('midlayer.*' or 'layers.{i}.*') found")
+    raise ValueError("no EAGLE-3 layer weights ('midlayer.*', 'layers.{i}.*' or 'midlayers.{i}.*') found")
+
+
+def stacked_layers(state: dict, prefixes: list[str], hidden_size: int) -> list[int]:
+    """Indices of the layers after the first whose q_proj reads `H` (`[A, H]`, not `[A, 2H]`): a stacked EAGLE-3
+    drafter's (its layers run in sequence), never a PosS one's."""
+    return [i for i, prefix in enumerate(prefixes) if i > 0 and prefix + "self_attn.q_proj.weight" in state
+            and state[prefix + "self_attn.q_proj.weight"].shape[-1] == hidden_size]
 
 
 # ---- the native config ------------------------------------------------------------------------------------------
@@ -177,17 +227,17 @@ def eagle3_poss_config(checkpoint: ResearchCheckpoint, num_specialists: int | No
         or eagle_config.get("eagle_aux_hidden_state_layer_ids")
     _, prefixes = layer_prefixes(checkpoint.state_dict)
     found = len(prefixes)
+    stacked = stacked_layers(checkpoint.state_dict, prefixes, hidden)
+    if stacked:
+        raise ValueError(
+            f"{checkpoint.source} is a stacked EAGLE-3 drafter: its layers {stacked} read the previous layer's output "
+            "(H wide, not 2H), so its layers run in sequence at every position and cannot run as position "
+            "specialists. Serve it with vLLM's own EAGLE-3 proposer."
+        )
     if num_specialists is not None and num_specialists != found:
         raise ValueError(f"{checkpoint.source} holds {found} EAGLE-3 layer(s), not num_specialists={num_specialists}")
     if positions_per_specialist is None:
-        positions_per_specialist = config.get("positions_per_specialist") or (preset[2] if preset else None)
-        if positions_per_specialist is None:
-            if found > 1:
-                raise ValueError(
-                    f"{checkpoint.source} holds {found} EAGLE-3 layers: if they are PosS specialists pass "
-                    "positions_per_specialist (the k of PosS-k); stacked drafters cannot run as specialists"
-                )
-            positions_per_specialist = 1
+        positions_per_specialist = _saved_positions_per_specialist(checkpoint, preset, found)
     target_config = {"hidden_size": hidden, "vocab_size": layer["vocab_size"]}
     if depth is not None:
         target_config["num_hidden_layers"] = depth
@@ -203,6 +253,25 @@ def eagle3_poss_config(checkpoint: ResearchCheckpoint, num_specialists: int | No
         norm_before_residual=bool(config.get("norm_before_residual", False)),
         draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"], **overrides,
     )
+
+
+def _saved_positions_per_specialist(checkpoint: ResearchCheckpoint, preset, found: int) -> int:
+    """The k of PosS-k a checkpoint implies (module docstring): its config's, the authors' fixed 3 for their
+    PosS-on-EAGLE-3 class, a known repo's, else 1 for a single layer; several layers and none of these: ValueError."""
+    config = checkpoint.config
+    if config.get("positions_per_specialist"):
+        return int(config["positions_per_specialist"])
+    if is_poss_eagle3_config(config):
+        return POSS_EAGLE3_POSITIONS_PER_LAYER
+    if preset is not None and preset[2] is not None:
+        return preset[2]
+    if found > 1:
+        raise ValueError(
+            f"{checkpoint.source} holds {found} EAGLE-3 layers that each read 2H, but its config.json names neither "
+            f"{POSS_EAGLE3_ARCHITECTURE} (the PosS authors' class: 3 positions per layer) nor positions_per_specialist:"
+            " if they are PosS specialists pass positions_per_specialist (the k of PosS-k)"
+        )
+    return 1
 
 
 # ---- weights ----------------------------------------------------------------------------------------------------
@@ -233,15 +302,9 @@ def check_eagle3_weights(checkpoint: ResearchCheckpoint, config: PosSConfig) -> 
     if config.draft_vocab_size == config.vocab_size:  # a full draft vocabulary needs no map
         optional.update({"d2t": expected.pop("d2t"), "t2d": expected.pop("t2d")})
     problems = tensor_problems(state, expected, optional)
-    if not problems:
-        return mapping
-    hint = ""
-    narrow = [p for p in prefixes[1:] if p + "self_attn.q_proj.weight" in state
-              and state[p + "self_attn.q_proj.weight"].shape[-1] == config.hidden_size]
-    if narrow:
-        hint = (" Layers after the first read H, not 2H: this is a stacked EAGLE-3 drafter (layers run in sequence),"
-                " which cannot run as position specialists.")
-    raise ValueError(f"{checkpoint.source} does not match its config: " + "; ".join(problems) + "." + hint)
+    if problems:
+        raise ValueError(f"{checkpoint.source} does not match its config: " + "; ".join(problems) + ".")
+    return mapping
 
 
 def eagle3_native_state_dict(checkpoint: ResearchCheckpoint, config: PosSConfig,
@@ -279,7 +342,7 @@ def _layout(checkpoint: ResearchCheckpoint) -> str:
     if eagle3_config_layout(checkpoint.config) == "speculators":
         return "speculators"
     stem, prefixes = layer_prefixes(checkpoint.state_dict)
-    if len(prefixes) > 1:
+    if len(prefixes) > 1 or is_poss_eagle3_config(checkpoint.config):
         return "poss_eagle3"
     architectures = checkpoint.config.get("architectures") or []
     return "specforge" if any("Eagle3" in str(a) for a in architectures) else "safeailab"
@@ -292,7 +355,8 @@ def load_eagle3_drafter(cls, path_or_id, num_specialists: int | None = None,
 
     Args:
         path_or_id: local folder or Hub repo id.
-        num_specialists / positions_per_specialist: PosS on EAGLE-3 settings (layers are counted in the weights).
+        num_specialists: checked against the layers counted in the weights.
+        positions_per_specialist: the k of PosS-k, when the checkpoint does not imply it (module docstring).
         target: optional target model (object or local folder): its depth gives the default fused states, and a
             stored embedding must equal its embedding.
         num_target_layers: the target's depth when no `target` is given and the checkpoint does not say.
@@ -350,6 +414,6 @@ def convert_eagle3_checkpoint(source, destination, overwrite: bool = False, **kw
 
 
 __all__ = [
-    "EAGLE3_PRESETS", "convert_eagle3_checkpoint", "eagle3_config_layout", "is_eagle3_checkpoint",
-    "load_eagle3_drafter", "read_if_eagle3_checkpoint",
+    "EAGLE3_PRESETS", "POSS_EAGLE3_ARCHITECTURE", "convert_eagle3_checkpoint", "eagle3_config_layout",
+    "is_eagle3_checkpoint", "is_poss_eagle3_config", "load_eagle3_drafter", "read_if_eagle3_checkpoint",
 ]

@@ -31,6 +31,12 @@ drafter's own tensor names (`fc.*`, `specialists.{i}.*`, `draft_lm_head.weight`,
 target's). `first_specialist=True` writes specialist 0 alone as a one-specialist drafter (to compare against PosS).
 EAGLE-1/2-style drafters need a Llama or Mistral target (vLLM's Llama decoder layer) and the final target state only
 (`feature_layers` unset or `[-1]`).
+
+Both formats: an EAGLE-3 drafter whose checkpoint names no fused target layers (SafeAILab, SpecForge, the PosS
+authors' PosS on EAGLE-3, read as they are by `PosSDrafter.from_pretrained`) takes EAGLE-3's default for the depth of
+the `target` folder (`--target`), which it then needs. A PosS-on-EAGLE-3 checkpoint exports with its layers as
+specialists and its positions per specialist (3), so the plugin drafts position `p` with layer `min((p - 1) // 3,
+n - 1)`, the layer the authors' training used for every trained position (`checkpoints.eagle3`).
 """
 
 from __future__ import annotations
@@ -79,6 +85,21 @@ def check_target_folder(drafter: PosSDrafter, target_config: dict | None) -> Non
                 f"This drafter was built for a target with {key}={expected[key]!r}; the --target folder's model has "
                 f"{key}={target_config[key]!r}: export it with the target it was trained for"
             )
+
+
+def resolve_fused_layers(drafter: PosSDrafter, target_config: dict | None) -> None:
+    """Give an EAGLE-3 drafter whose checkpoint names no fused target layers (SafeAILab, SpecForge, PosS on EAGLE-3)
+    EAGLE-3's default for the `--target` folder's depth (what binding to that target does); ValueError without one."""
+    config = drafter.config
+    if not config.is_eagle3 or config.feature_layers is not None:
+        return
+    depth = (target_config or {}).get("num_hidden_layers")
+    if depth is None:
+        raise ValueError(
+            "This EAGLE-3 drafter does not name the target layers it fuses (EAGLE-3's default [2, L // 2, L - 3] "
+            "depends on the target's depth L): pass the target's folder, target= (--target)"
+        )
+    config.resolve_feature_layers(depth)
 
 
 def verifier_architectures(drafter: PosSDrafter, target_config: dict | None = None) -> list[str]:
@@ -174,6 +195,7 @@ def export_speculators(drafter: PosSDrafter, destination, first_specialist: bool
         )
     target_config = target_folder_config(target)
     check_target_folder(drafter, target_config)
+    resolve_fused_layers(drafter, target_config)
     verifier = verifier or (str(Path(target).resolve()) if target is not None else None) or config.target_name_or_path
     if not verifier:
         raise ValueError("The speculators format names its verifier (target): pass verifier= (--verifier)")
@@ -247,6 +269,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
     check_vllm_exportable(drafter)
     target_config = target_folder_config(target)
     check_target_folder(drafter, target_config)
+    resolve_fused_layers(drafter, target_config)
     verifier = verifier or (str(Path(target).resolve()) if target is not None else None) or config.target_name_or_path
     if not verifier:
         raise ValueError("The export names its verifier (the target vLLM serves): pass target= (--target) or "

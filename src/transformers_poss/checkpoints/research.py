@@ -66,6 +66,11 @@ RESEARCH_LAYOUT_NAMES = ("EAGLE-1/2", "HASS", "PosS")
 _LLAMA_3_8B_INSTRUCT = "meta-llama/Meta-Llama-3-8B-Instruct"
 _LLAMA_2_13B_CHAT = "meta-llama/Llama-2-13b-chat-hf"
 # Hub repo id (lower case) -> (num_specialists, positions_per_specialist, target). PosS checkpoints do not record these.
+# From shrango/PosS: `spec_decode.py` `determine_poss_settings` gives each repo's (forward_num_total,
+# position_per_layer): Llama-3-8B-Instruct PosS-1/2/3 (7, 1), (8, 2), (12, 3); Llama-2-13B-Chat (6, 1), (6, 2), (6, 3)
+# (`train_poss.sh`: Llama-2-13B PosS-3 trained with 6, 3); `model/cnets_poss_layer.py` and `cnets_poss_layer_gen.py`
+# build `layer_num = forward_num_total // position_per_layer` layers, and the latter drafts depth i (position i + 2)
+# with layer `min((1 + i) // position_per_layer, layer_num - 1)`, i.e. `PosSConfig.specialist_for_position`.
 POSS_PRESETS = {
     "hint-lab/poss1-llama3-8b-instruct": (7, 1, _LLAMA_3_8B_INSTRUCT),
     "hint-lab/poss2-llama3-8b-instruct": (4, 2, _LLAMA_3_8B_INSTRUCT),
