@@ -36,6 +36,8 @@ _IRRELEVANT_TARGET_KEYS = (
     "_attn_implementation_autoset", "output_hidden_states", "output_attentions", "return_dict",
 )
 
+# The projections of a decoder layer that LoRA specialists adapt by default (every supported family names them so).
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The records a drafter folder keeps beside `config.json` (`training_record.json`, `tuning_record.json`).
 RECORD_NAMES = ("training_record", "tuning_record")
 
@@ -65,6 +67,11 @@ class PosSConfig(PretrainedConfig):
             specialist serves, one entry per specialist, e.g. `[1, 3, 4]`: position 1 alone, positions 2-4, then
             5 on (the last specialist serves every later position too). Overrides `positions_per_specialist`;
             `None` (default): `num_specialists` groups of `positions_per_specialist`.
+        lora_rank (`int`, *optional*): LoRA specialists (`transformers_poss.lora`): the specialists share one
+            layer's weights and each adds a peft LoRA adapter of this rank; `None` (default): full layers.
+        lora_alpha (`int`, *optional*): the adapters' scale numerator (`alpha / rank`); default `2 * lora_rank`.
+        lora_target_modules (`list[str]`, *optional*): the projections the adapters adapt; default all of them
+            (`DEFAULT_LORA_TARGETS`).
         fc_bias (`bool`, *optional*): whether `fc` has a bias; default `True` (EAGLE research code), `False` for
             EAGLE-3 (every EAGLE-3 reference, and vLLM, builds `fc` without one).
         feature_layers (`list[int]`, *optional*): the target hidden states the drafter reads, as
@@ -101,6 +108,9 @@ class PosSConfig(PretrainedConfig):
     num_specialists: int = 1
     positions_per_specialist: int = 1
     position_groups: list[int] | None = None
+    lora_rank: int | None = None
+    lora_alpha: int | None = None
+    lora_target_modules: list[str] | None = None
     fc_bias: bool | None = None
     feature_layers: list[int] | None = None
     draft_vocab_size: int | None = None
@@ -122,6 +132,9 @@ class PosSConfig(PretrainedConfig):
             self._fill_eagle3_defaults()
         if self.fc_bias is None:
             self.fc_bias = self.drafter_type != "eagle3"
+        if self.lora_rank is not None:
+            self.lora_alpha = 2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha
+            self.lora_target_modules = list(self.lora_target_modules or DEFAULT_LORA_TARGETS)
         super().__post_init__(**kwargs)
         self.check_settings()
 
@@ -283,6 +296,7 @@ class PosSConfig(PretrainedConfig):
                     "specialists: give one group size per specialist"
                 )
             self.position_groups = list(groups)
+        self._check_lora()
         if self.draft_vocab_size is not None and (
             not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1
             or (self.vocab_size is not None and self.draft_vocab_size > self.vocab_size)
@@ -316,6 +330,21 @@ class PosSConfig(PretrainedConfig):
             for key in ("hidden_size", "vocab_size", "num_attention_heads", "intermediate_size"):
                 if not self.target_config.get(key):
                     raise ValueError(f"PosSConfig.target_config lacks {key!r}: it cannot rebuild the drafter layers")
+
+    def _check_lora(self) -> None:
+        if self.lora_rank is None:
+            if self.lora_alpha is not None or self.lora_target_modules is not None:
+                raise ValueError("PosSConfig.lora_alpha / lora_target_modules need lora_rank (LoRA specialists)")
+            return
+        _check_int("PosSConfig", "lora_rank", self.lora_rank, 1)
+        _check_int("PosSConfig", "lora_alpha", self.lora_alpha, 1)
+        if self.num_specialists < 2:
+            raise ValueError("LoRA specialists (lora_rank) adapt one shared layer per position group: they need "
+                             f"num_specialists >= 2, got {self.num_specialists}")
+        unknown = sorted(set(self.lora_target_modules) - set(DEFAULT_LORA_TARGETS))
+        if unknown or not self.lora_target_modules:
+            raise ValueError(f"PosSConfig.lora_target_modules must be some of {DEFAULT_LORA_TARGETS}, got "
+                             f"{self.lora_target_modules!r}")
 
     def _check_eagle3(self) -> None:
         for key in ("hidden_size", "vocab_size"):

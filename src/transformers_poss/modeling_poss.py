@@ -28,7 +28,7 @@ from transformers.utils import ModelOutput
 
 from .checkpoints.native import HUB_KWARGS, read_drafter_files
 from .configuration_poss import RECORD_NAMES, PosSConfig, PosSGenerationConfig
-from . import kernels, layers
+from . import kernels, layers, lora
 from .kernels import DraftLinear, pack_int8, runs_int8
 from .layers import (
     LEAN_FAMILIES, Eagle3DecoderLayer, additive_mask, cache_length, causal_allowed, family_classes, output_logits,
@@ -172,6 +172,33 @@ class PosSDrafter(PosSPreTrainedModel):
         self._int8_head = False  # the mapped draft-head rows on 8 bits too (`int8_weights`)
         self.int8_draft_weights = False
         self.post_init()
+        if config.lora_rank is not None:  # after the initialisation: peft starts each adapter at zero (B = 0)
+            lora.share_and_adapt(self.specialists, config)
+
+    # ---- LoRA specialists: the shared layer's weights once in a state dict ---------------------------------------
+    def state_dict(self, *args, **kwargs):
+        """`nn.Module.state_dict`; with LoRA specialists (`lora`) the shared layer's weights appear once, under
+        specialist 0's names."""
+        state = super().state_dict(*args, **kwargs)
+        if self.config.lora_rank is not None:
+            prefix = kwargs.get("prefix", "")
+            for name in lora.tied_keys(self.specialists, prefix + "specialists."):
+                state.pop(name, None)
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """`nn.Module.load_state_dict`; with LoRA specialists, the shared weights are read from specialist 0's names
+        (as `state_dict` writes them)."""
+        if self.config.lora_rank is not None:
+            tied = lora.tied_keys(self.specialists)
+            state_dict = {**state_dict, **{name: state_dict[source] for name, source in tied.items()
+                                           if name not in state_dict and source in state_dict}}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def merged(self) -> "PosSDrafter":
+        """This drafter with its LoRA specialists merged into full layers (`lora.merge_lora_specialists`); itself
+        when it has none."""
+        return self if self.config.lora_rank is None else lora.merge_lora_specialists(self)
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -198,7 +225,8 @@ class PosSDrafter(PosSPreTrainedModel):
     @classmethod
     def from_pretrained(
         cls, pretrained_model_name_or_path, *model_args, num_specialists: int | None = None,
-        positions_per_specialist: int | None = None, int8_draft_weights: bool | None = None, **kwargs,
+        positions_per_specialist: int | None = None, int8_draft_weights: bool | None = None,
+        merge_lora: bool = False, **kwargs,
     ):
         """Load a native drafter folder / Hub repo, or a checkpoint of another layout (`checkpoint_readers`: EAGLE-1/2,
         HASS and PosS research checkpoints, see `transformers_poss.checkpoints.research`, and EAGLE-3 ones, see
@@ -207,10 +235,13 @@ class PosSDrafter(PosSPreTrainedModel):
         Research checkpoints are converted on load; PosS ones need `num_specialists` and `positions_per_specialist`
         unless their repo is a known preset. A native folder's `generation_config.json`, `training_record.json` and
         `tuning_record.json` are read too. `int8_draft_weights=True` drafts with 8-bit weight copies on the CPU (the
-        `int8_draft_weights` attribute; default off).
+        `int8_draft_weights` attribute; default off). A drafter with LoRA specialists (`transformers_poss.lora`) loads
+        with its adapters, or merged into full specialist layers with `merge_lora=True`.
         """
         drafter = cls._load(pretrained_model_name_or_path, *model_args, num_specialists=num_specialists,
                             positions_per_specialist=positions_per_specialist, **kwargs)
+        if merge_lora:
+            drafter = drafter.merged()
         if int8_draft_weights is not None:
             drafter.int8_draft_weights = bool(int8_draft_weights)
         return drafter
@@ -231,7 +262,9 @@ class PosSDrafter(PosSPreTrainedModel):
                 "num_specialists / positions_per_specialist are read from a native drafter's config.json; they are "
                 "only accepted for research-format (EAGLE/HASS/PosS) checkpoints"
             )
-        drafter = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        drafter = cls._load_lora(pretrained_model_name_or_path, **kwargs)
+        if drafter is None:
+            drafter = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         if pretrained_model_name_or_path is not None:
             hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
             files = read_drafter_files(pretrained_model_name_or_path, **hub_kwargs)
@@ -239,6 +272,33 @@ class PosSDrafter(PosSPreTrainedModel):
             for key, record in files.records.items():
                 setattr(drafter, key, record)
         return drafter
+
+    @classmethod
+    def _load_lora(cls, name_or_path, **kwargs) -> "PosSDrafter | None":
+        """A native folder of a drafter with LoRA specialists, built from its config and filled with `load_state_dict`
+        (transformers' loader would replace the shared parameters one by one and untie them); None for any other
+        folder."""
+        if name_or_path is None:
+            return None
+        hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+        config = kwargs.get("config")
+        if not isinstance(config, PosSConfig):
+            config = PosSConfig.from_pretrained(name_or_path, **hub_kwargs)
+        if config.lora_rank is None:
+            return None
+        from safetensors.torch import load_file
+        from transformers.utils import SAFE_WEIGHTS_NAME, cached_file
+
+        tensors = load_file(cached_file(str(name_or_path), SAFE_WEIGHTS_NAME, **hub_kwargs))
+        drafter = cls(config)
+        dtype = kwargs.get("dtype")
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+        if isinstance(dtype, torch.dtype):
+            drafter.to(dtype)
+        else:
+            drafter.to(next(t for t in tensors.values() if t.is_floating_point()).dtype)
+        drafter.load_state_dict(tensors, strict=True)
+        return drafter.eval()
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, push_to_hub: bool = False,
                         **kwargs):

@@ -23,12 +23,15 @@ else the `target` folder's `config.json`, else the family's causal-LM class name
 the same speculators layout, `speculators_model_type` `"eagle"` (EAGLE-1/2-style drafters: `fc` with its bias, the
 target family's layers without the input norm, the draft head with its mapped rows) or `"eagle3"`, with
 `transformer_layer_config` holding one layer per specialist (`num_hidden_layers = num_specialists`) and a `poss` block
-(`VLLM_FORMAT`, version `VLLM_FORMAT_VERSION`): drafter type, `num_specialists`, `positions_per_specialist`, `fc_bias`,
+(`VLLM_FORMAT`, version `VLLM_FORMAT_VERSION`): drafter type, `num_specialists`, `positions_per_specialist`,
+`position_groups` (positions each specialist serves, `PosSConfig.group_sizes`; the plugin maps positions with it), `fc_bias`,
 `draft_vocab_size`, `draft_head_rows`, the target's family / hidden size / vocabulary / depth / name / architectures,
 and the weights file's name, size and SHA-256 (checked by the plugin before serving). `model.safetensors` keeps the
 drafter's own tensor names (`fc.*`, `specialists.{i}.*`, `draft_lm_head.weight`, `draft_head_map.weight`,
 `draft_to_target`, `norm.weight`); the embedding and the target's `lm_head` are not written (vLLM shares the
 target's). `first_specialist=True` writes specialist 0 alone as a one-specialist drafter (to compare against PosS).
+The `poss` block's `speculative_config` (`vllm_speculative_config`) suggests K and, from the drafter's tuned
+`max_batch_size`, vLLM's `num_speculative_tokens_per_batch_size` schedule (no drafting above that batch size).
 EAGLE-1/2-style drafters need a Llama or Mistral target (vLLM's Llama decoder layer) and the final target state only
 (`feature_layers` unset or `[-1]`).
 
@@ -171,6 +174,7 @@ def speculators_tensors(drafter: PosSDrafter) -> dict[str, torch.Tensor]:
 def export_speculators(drafter: PosSDrafter, destination, first_specialist: bool = False, verifier: str | None = None,
                        overwrite: bool = False, target=None) -> Path:
     """Write `drafter` to `destination` in the speculators EAGLE-3 format (module docstring); returns the folder."""
+    drafter = drafter.merged()  # LoRA specialists leave as full layers
     config = drafter.config
     if not config.is_eagle3:
         raise ValueError(
@@ -191,7 +195,7 @@ def export_speculators(drafter: PosSDrafter, destination, first_specialist: bool
             )
         warnings.warn(
             f"Exporting specialist 0 of {config.num_specialists} (trained for draft positions 1 .. "
-            f"{config.positions_per_specialist}); the engine will run it at every draft position", stacklevel=2,
+            f"{config.group_sizes[0]}); the engine will run it at every draft position", stacklevel=2,
         )
     target_config = target_folder_config(target)
     check_target_folder(drafter, target_config)
@@ -238,6 +242,29 @@ def vllm_tensors(drafter: PosSDrafter, first_specialist: bool = False) -> dict[s
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
+def vllm_speculative_config(drafter: PosSDrafter) -> dict:
+    """The speculative config an export suggests to vLLM (the `poss` block's `speculative_config`): K
+    (`num_speculative_tokens`, the drafter's `tree_depth`) and, where the drafter has a tuned `max_batch_size` (per
+    device kind in `device_budgets`, or top level), the smallest of them as `max_batch_size` and vLLM's
+    `num_speculative_tokens_per_batch_size` schedule: K draft tokens up to that many scheduled requests, none above
+    (inclusive `[start, end, K]` ranges, the last K carried to larger batches). The poss_vllm plugin applies it."""
+    settings = drafter.generation_config
+    k = settings.tree_depth
+    by_kind = {kind: entry["max_batch_size"] for kind, entry in sorted((getattr(settings, "device_budgets", None)
+                                                                         or {}).items())
+               if entry.get("max_batch_size") is not None}
+    limits = list(by_kind.values())
+    if getattr(settings, "max_batch_size", None) is not None:
+        limits.append(settings.max_batch_size)
+    suggestion = {"num_speculative_tokens": k, "max_batch_size_by_device_kind": by_kind}
+    if limits:
+        limit = min(limits)
+        suggestion["max_batch_size"] = limit
+        suggestion["num_speculative_tokens_per_batch_size"] = (
+            [[1, limit, k], [limit + 1, limit + 1, 0]] if limit > 0 else [[1, 1, 0]])
+    return suggestion
+
+
 def check_vllm_exportable(drafter: PosSDrafter) -> None:
     """Raise `ValueError` on drafters the poss_vllm plugin cannot serve."""
     config = drafter.config
@@ -265,6 +292,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
     architectures, and it is the verifier named in the folder (what `vllm serve FOLDER` loads) unless `verifier` is
     given; without either, the drafter's `target_name_or_path`.
     """
+    drafter = drafter.merged()  # LoRA specialists leave as full layers
     config = drafter.config
     check_vllm_exportable(drafter)
     target_config = target_folder_config(target)
@@ -278,7 +306,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
     if first_specialist and config.num_specialists > 1:
         warnings.warn(
             f"Exporting specialist 0 of {config.num_specialists} (trained for draft positions 1 .. "
-            f"{config.positions_per_specialist}); vLLM will run it at every draft position", stacklevel=2,
+            f"{config.group_sizes[0]}); vLLM will run it at every draft position", stacklevel=2,
         )
     destination = _prepare_destination(destination, overwrite)
     from safetensors.torch import save_file
@@ -296,6 +324,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
         "drafter_type": drafter_type,
         "num_specialists": num_specialists,
         "positions_per_specialist": config.positions_per_specialist,
+        "position_groups": config.group_sizes[:num_specialists],
         "first_specialist_only": bool(first_specialist and config.num_specialists > 1),
         "fc_bias": bool(config.fc_bias),
         "draft_vocab_size": config.draft_vocab_size,
@@ -309,6 +338,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
             "architectures": verifier_architectures(drafter, target_config),
         },
         "weights": {"file": weights_path.name, "bytes": weights_path.stat().st_size, "sha256": digest},
+        "speculative_config": vllm_speculative_config(drafter),
     }
     folder_config = {
         "architectures": ["PosSEagle3LlamaForCausalLM" if config.is_eagle3 else "PosSEagleForCausalLM"],

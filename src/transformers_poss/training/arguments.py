@@ -36,6 +36,10 @@ class TrainingArguments:
     position_groups: str | None = field(default=None, metadata={
         "help": "uneven position groups instead, one size per specialist, comma separated (e.g. 1,3,4: position 1, "
                 "positions 2-4, then 5 on); --num-specialists defaults to their number"})
+    lora_rank: int | None = field(default=None, metadata={
+        "help": "LoRA specialists: one shared layer plus a LoRA adapter of this rank per specialist (peft); start "
+                "them from a trained drafter with --init-from"})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA scale numerator (default: 2 * rank)"})
     depth: int | None = field(default=None, metadata={
         "help": "unrolled training steps (default: every specialist's positions, at least 3)"})
     draft_vocab_size: int | None = field(default=None, metadata={

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..lora import load_shared_layer
 from ..modeling_poss import PosSDrafter
 from .arguments import TrainingArguments
 
@@ -31,7 +32,7 @@ def build_drafter(args: TrainingArguments, target, feature_layers: list[int] | N
         feature_layers = fused
     drafter = PosSDrafter.from_target(
         target, num_specialists=args.specialist_count(), positions_per_specialist=args.positions_per_specialist,
-        position_groups=args.position_group_list(),
+        position_groups=args.position_group_list(), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows,
         **{"fc_bias": args.fc_bias, "feature_layers": feature_layers, **variant},
     )
@@ -64,9 +65,12 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
     is larger, the source's head stores all its rows and `token_counts` `[V]` of the training data are given; its
     `fuse` when both read the same target layers (otherwise `fuse` keeps its initialisation, which passes the final
     hidden state through, so a last-layer-only source starts a fused drafter exactly where it stands).
-    Returns what was copied. Raises `ValueError` for drafters of another shape."""
+    With LoRA specialists (`lora_rank`), the source's first layer becomes the shared layer and the adapters start
+    at zero, so the drafter starts where that layer stands. Returns what was copied. Raises `ValueError` for drafters
+    of another shape."""
     if isinstance(source, str):
         source = PosSDrafter.from_pretrained(source)
+    source = source.merged()  # a source with LoRA specialists starts others as its full layers would
     mine, theirs = drafter.config.target_config, source.config.target_config
     for key in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "vocab_size"):
@@ -85,8 +89,11 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
         if drafter.norm is not None:  # EAGLE-3's final norm
             drafter.norm.load_state_dict(source.norm.state_dict())
         n_source = len(source.specialists)
-        for i, layer in enumerate(drafter.specialists):
-            layer.load_state_dict(source.specialists[min(i, n_source - 1)].state_dict())
+        if drafter.config.lora_rank is not None:  # the shared layer starts as the source's first; adapters at zero
+            load_shared_layer(drafter.specialists, source.specialists[0].state_dict())
+        else:
+            for i, layer in enumerate(drafter.specialists):
+                layer.load_state_dict(source.specialists[min(i, n_source - 1)].state_dict())
         copied_vocab, grown_from = False, None
         if drafter.draft_lm_head is not None and source.draft_lm_head is not None:
             mine, theirs = drafter.config, source.config
