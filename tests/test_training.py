@@ -424,8 +424,9 @@ def make_trainer(target, tmp_path, examples, val=None, seed=0, **overrides):
     settings.update(overrides)
     args = TrainingArguments(**settings)
     torch.manual_seed(seed)
-    drafter = PosSDrafter.from_target(target, num_specialists=args.num_specialists,
+    drafter = PosSDrafter.from_target(target, num_specialists=args.specialist_count(),
                                       positions_per_specialist=args.positions_per_specialist,
+                                      position_groups=args.position_group_list(), lora_rank=args.lora_rank,
                                       draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows)
     if args.draft_vocab_size:
         counts = count_token_frequencies(examples, 96)
@@ -472,12 +473,13 @@ def test_training_lowers_the_loss_and_saves_a_record(tmp_path, fresh_accelerate,
     assert all(len(line["position_accuracy"]) == 3 for line in lines)
 
 
-def test_exact_resume(tmp_path, fresh_accelerate):
+@pytest.mark.parametrize("shape", [{}, {"position_groups": "1,2", "lora_rank": 4}], ids=["full", "lora-groups"])
+def test_exact_resume(tmp_path, fresh_accelerate, shape):
     """Stopped at step 3 (mid-epoch, with gradient accumulation), resumed from the checkpoint: steps 4-6 have the
-    losses of an uninterrupted run."""
+    losses of an uninterrupted run; also for LoRA specialists in uneven groups (their shared layer saved once)."""
     target = tiny_target("llama")
     examples = greedy_examples(target, 7)  # 4 batches of 2 per epoch -> 2 optimizer steps with grad_accum 2
-    settings = dict(epochs=3, grad_accum=2, save_steps=3, save_total_limit=10)
+    settings = dict(epochs=3, grad_accum=2, save_steps=3, save_total_limit=10, **shape)
     full = make_trainer(target, tmp_path / "full", examples, **settings)
     full.train()
     losses = {h["step"]: h["loss"] for h in full.history}
@@ -501,6 +503,11 @@ def test_exact_resume(tmp_path, fresh_accelerate):
     assert losses[4] != losses[5]  # the losses really change from step to step
     for name, value in full.drafter.state_dict().items():
         assert torch.allclose(value, resumed.drafter.state_dict()[name], atol=1e-6), name
+    if shape:  # the adapters trained, and the specialists still share their layer after resuming
+        layers = resumed.drafter.specialists
+        assert layers[1].mlp.up_proj.base_layer.weight is layers[0].mlp.up_proj.base_layer.weight
+        assert layers[1].mlp.up_proj.lora_B["default"].weight.abs().sum() > 0
+        assert PosSDrafter.from_pretrained(tmp_path / "full").config.group_sizes == [1, 2]
 
 
 def test_validation_every_n_steps_draws_curves_without_changing_training(tmp_path, fresh_accelerate):

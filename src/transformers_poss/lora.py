@@ -57,6 +57,19 @@ def tied_keys(specialists: nn.ModuleList, prefix: str = "specialists.") -> dict[
     return {f"{prefix}{i}.{name}": f"{prefix}0.{name}" for i in range(1, len(specialists)) for name in shared}
 
 
+def drop_tied_entries(drafter, state_dict, prefix, local_metadata) -> None:
+    """State-dict post hook: the shared layer's weights under specialists 1.. leave (specialist 0's stay)."""
+    for name in tied_keys(drafter.specialists, prefix + "specialists."):
+        state_dict.pop(name, None)
+
+
+def fill_tied_entries(drafter, state_dict, prefix, *unused) -> None:
+    """Load-state-dict pre hook: the shared layer's weights are read for specialists 1.. from specialist 0's names."""
+    for name, source in tied_keys(drafter.specialists, prefix + "specialists.").items():
+        if name not in state_dict and source in state_dict:
+            state_dict[name] = state_dict[source]
+
+
 def adapted_modules(layer: nn.Module) -> dict[str, nn.Module]:
     """`{module path: peft LoRA layer}` of one specialist."""
     from peft.tuners.lora import LoraLayer
@@ -70,7 +83,8 @@ def merge_lora_specialists(drafter):
     config = copy.deepcopy(drafter.config)
     config.lora_rank = config.lora_alpha = config.lora_target_modules = None
     merged = type(drafter)(config).to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
-    every = nn.Module.state_dict(drafter)  # the shared weights under every specialist's names
+    every = drafter.state_dict()
+    fill_tied_entries(drafter, every, "")  # the shared weights under every specialist's names
     state = {name.replace(".base_layer.", "."): tensor for name, tensor in every.items() if ".lora_" not in name}
     for index, layer in enumerate(drafter.specialists):
         for path, module in adapted_modules(layer).items():
@@ -89,7 +103,7 @@ def merge_lora_specialists(drafter):
 def load_shared_layer(specialists: nn.ModuleList, layer_state: dict[str, torch.Tensor]) -> None:
     """Copy a full decoder layer's weights (`state_dict()` names, e.g. `self_attn.q_proj.weight`) into the shared
     layer of LoRA specialists; the adapters keep their weights."""
-    names = {name.replace(".base_layer.", "."): name for name in nn.Module.state_dict(specialists[0])
+    names = {name.replace(".base_layer.", "."): name for name in specialists[0].state_dict()
              if ".lora_" not in name}
     if set(names) != set(layer_state):
         raise ValueError(f"the source layer's weights {sorted(set(layer_state) ^ set(names))} do not match the shared "

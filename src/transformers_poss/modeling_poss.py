@@ -174,27 +174,12 @@ class PosSDrafter(PosSPreTrainedModel):
         self.post_init()
         if config.lora_rank is not None:  # after the initialisation: peft starts each adapter at zero (B = 0)
             lora.share_and_adapt(self.specialists, config)
+            # State dicts hold the shared layer once, under specialist 0's names, however deep this module sits
+            # (an accelerate checkpoint of a wrapper included).
+            self.register_state_dict_post_hook(lora.drop_tied_entries)
+            self.register_load_state_dict_pre_hook(lora.fill_tied_entries)
 
-    # ---- LoRA specialists: the shared layer's weights once in a state dict ---------------------------------------
-    def state_dict(self, *args, **kwargs):
-        """`nn.Module.state_dict`; with LoRA specialists (`lora`) the shared layer's weights appear once, under
-        specialist 0's names."""
-        state = super().state_dict(*args, **kwargs)
-        if self.config.lora_rank is not None:
-            prefix = kwargs.get("prefix", "")
-            for name in lora.tied_keys(self.specialists, prefix + "specialists."):
-                state.pop(name, None)
-        return state
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """`nn.Module.load_state_dict`; with LoRA specialists, the shared weights are read from specialist 0's names
-        (as `state_dict` writes them)."""
-        if self.config.lora_rank is not None:
-            tied = lora.tied_keys(self.specialists)
-            state_dict = {**state_dict, **{name: state_dict[source] for name, source in tied.items()
-                                           if name not in state_dict and source in state_dict}}
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
+    # ---- LoRA specialists ------------------------------------------------------------------------------------
     def merged(self) -> "PosSDrafter":
         """This drafter with its LoRA specialists merged into full layers (`lora.merge_lora_specialists`); itself
         when it has none."""
