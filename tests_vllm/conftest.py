@@ -25,19 +25,37 @@ DEPTHS = (3, 6)
 
 
 _MAIN_PYTHON: list[str] = []
+# Run by the candidate: its environment (sys.prefix), its interpreter, whether it holds this library and vLLM.
+_PROBE = ("import importlib.util, json, sys; print(json.dumps({'prefix': sys.prefix, 'executable': sys.executable, "
+          "'poss': importlib.util.find_spec('transformers_poss') is not None, "
+          "'vllm': importlib.util.find_spec('vllm') is not None}))")
 
 
 def main_python() -> str:
-    """The main environment's interpreter, resolved once (a pyenv shim costs a `pyenv exec` per call)."""
+    """The main environment's interpreter, resolved once (a pyenv shim costs a `pyenv exec` per call).
+
+    Environments are told apart by what they hold, not by their interpreter binary: two venvs made from one Python
+    resolve (`Path.resolve()`) to the same executable. The main one is a different environment (`sys.prefix`) from
+    the one running these tests, and imports transformers_poss."""
     if not _MAIN_PYTHON:
         python = os.environ.get("POSS_MAIN_PYTHON") or shutil.which("python3") or shutil.which("python")
-        if not python or Path(python).resolve() == Path(sys.executable).resolve():
+        if not python:
             pytest.fail("set POSS_MAIN_PYTHON to the python with transformers_poss installed (not vLLM's)")
-        resolved = subprocess.run([python, "-c", "import sys, transformers_poss; print(sys.executable)"],
-                                  capture_output=True, text=True, timeout=300)
+        probe = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+        if probe.returncode:
+            pytest.fail(f"{python} does not run:\n{probe.stderr[-2000:]}")
+        facts = json.loads(probe.stdout.strip().splitlines()[-1])
+        if Path(facts["prefix"]).resolve() == Path(sys.prefix).resolve():
+            pytest.fail(f"POSS_MAIN_PYTHON={python} is the environment running these tests ({sys.prefix}, vLLM's): "
+                        "set it to the python with transformers_poss installed")
+        if not facts["poss"]:
+            pytest.fail(f"{python} (environment {facts['prefix']}) cannot import transformers_poss: install it there "
+                        "(pip install -e '.[test]') or set POSS_MAIN_PYTHON to the python that has it")
+        resolved = subprocess.run([python, "-c", "import transformers_poss"], capture_output=True, text=True,
+                                  timeout=300)
         if resolved.returncode:
             pytest.fail(f"{python} cannot import transformers_poss:\n{resolved.stderr[-2000:]}")
-        _MAIN_PYTHON.append(resolved.stdout.strip().splitlines()[-1])
+        _MAIN_PYTHON.append(facts["executable"])
     return _MAIN_PYTHON[0]
 
 
@@ -90,14 +108,16 @@ class VLLMRuns:
         self.target, self.exports, self.workdir, self.reference_path = target, exports, workdir, reference_path
         self.results: dict = {}
 
-    def get(self, drafter: str | None, k: int = 3, method: str = "eagle") -> dict:
-        key = (drafter, k if drafter else 0)
+    def get(self, drafter: str | None, k: int = 3, method: str = "eagle", schedule: str = "none") -> dict:
+        """`schedule`: "none" drafts at every batch size; "export" keeps the export's batch-size schedule."""
+        key = (drafter, k if drafter else 0, schedule if drafter else "none")
         if key not in self.results:
-            output = self.workdir / f"vllm_{drafter or 'plain'}_{key[1]}.json"
+            output = self.workdir / f"vllm_{drafter or 'plain'}_{key[1]}_{key[2]}.json"
             command = [sys.executable, str(HERE / "run_vllm.py"), "--target", self.target, "--prompts",
                        str(self.reference_path), "--output", str(output), "--max-tokens", str(MAX_NEW_TOKENS)]
             if drafter:
-                command += ["--drafter", str(self.exports / drafter), "--k", str(k), "--method", method]
+                command += ["--drafter", str(self.exports / drafter), "--k", str(k), "--method", method,
+                            "--schedule", schedule]
             run(command, timeout=900)
             self.results[key] = json.loads(output.read_text())
         return self.results[key]

@@ -1,11 +1,14 @@
 """Run vLLM (CPU, fp32 by default, greedy, eager) on token-id prompts and write answers and spec-decode counters.
 
     python tests_vllm/run_vllm.py --target T --prompts ref.json --output out.json [--drafter DIR --k 3]
+        [--schedule none|export]
 
 `--prompts`: a JSON file with `prompts: [{prompt_ids: [...]}, ...]` (what `library_reference.py` writes). The output
 has each prompt's answer ids, the spec-decode counters from `llm.get_metrics()` (drafts, draft tokens, accepted
 tokens, accepted per position), alpha_p = per_pos[p] / per_pos[p - 1] (per_pos[0] / drafts for p = 1) and, for a
-PosS drafter, how often each specialist ran (`specialist_calls`).
+PosS drafter, how often each specialist ran (`specialist_calls`), and the engine's batch-size schedule (`schedule`:
+`--schedule none` passes `num_speculative_tokens_per_batch_size: null`, drafting at every batch size; `export` leaves it
+to the plugin, which applies the export's).
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ def specialist_calls(worker) -> list[int] | None:
     return getattr(worker.model_runner.drafter.model, "specialist_calls", None)
 
 
+def engine_schedule(llm):
+    """The engine's `num_speculative_tokens_per_batch_size` (None without speculation or schedule)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    speculative = getattr(config, "speculative_config", None)
+    return getattr(speculative, "num_speculative_tokens_per_batch_size", None)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True)
@@ -50,6 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--schedule", choices=("none", "export"), default="none")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # specialist_calls travels to the worker
@@ -59,6 +70,8 @@ def main(argv=None) -> int:
     speculative = None
     if args.drafter:
         speculative = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k}
+        if args.schedule == "none":
+            speculative["num_speculative_tokens_per_batch_size"] = None
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, speculative_config=speculative,
               max_model_len=4096, seed=0, disable_log_stats=False)
     prompts = json.load(open(args.prompts, encoding="utf-8"))["prompts"]
@@ -69,7 +82,8 @@ def main(argv=None) -> int:
     counters = spec_counters(llm.get_metrics())
     result = {"answers": [list(o.outputs[0].token_ids) for o in outputs], "counters": counters,
               "alpha": alphas(counters), "seconds": seconds,
-              "specialist_calls": llm.collective_rpc(specialist_calls)[0] if args.drafter else None}
+              "specialist_calls": llm.collective_rpc(specialist_calls)[0] if args.drafter else None,
+              "schedule": engine_schedule(llm)}
     with open(args.output, "w", encoding="utf-8") as handle:
         json.dump(result, handle)
     print(json.dumps({"alpha": result["alpha"], "counters": counters, "seconds": round(seconds, 2)}))

@@ -85,7 +85,8 @@ def _get(url: str, timeout: float = 5) -> str:
 
 def test_vllm_serve_answers_a_chat_request_and_reports_acceptance(exports, tmp_path):
     """`vllm serve EXPORT` (the target is the export's verifier) on the loopback: one OpenAI-style chat request,
-    then acceptance from /metrics; the server is stopped whatever happens (bounded waits)."""
+    then acceptance from /metrics, and the export's batch-size schedule in the log; the server is stopped whatever
+    happens (bounded waits)."""
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")
     command = [str(Path(sys.executable).parent / "vllm"), "serve", str(exports / "poss2"), "--host", "127.0.0.1",
@@ -128,6 +129,8 @@ def test_vllm_serve_answers_a_chat_request_and_reports_acceptance(exports, tmp_p
         print(f"served answer: {text!r}\nserved spec decode: drafts {drafts:.0f}, accepted per position {counts}, "
               f"alpha {[round(a, 3) for a in alpha]}")
         assert drafts > 0 and len(counts) == 3, metrics[-2000:]
+        # the export's batch-size schedule, applied by the plugin (one request: within it, so it drafted)
+        assert "num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 3, 0]]" in (tmp_path / "serve.log").read_text()
     finally:
         try:
             os.killpg(server.pid, signal.SIGTERM)
@@ -141,12 +144,17 @@ def test_vllm_serve_answers_a_chat_request_and_reports_acceptance(exports, tmp_p
         log.close()
 
 
-def _serve_fails(target: str, drafter: Path, prompts: Path, prelude: str = "") -> str:
-    """Start vLLM with `drafter`; return its output, asserting it failed before generating."""
+def _serve(target: str, drafter: Path, prompts: Path, prelude: str = "", env: dict | None = None):
+    """Run vLLM with `drafter` on `prompts` for 4 tokens (`prelude`: Python run first in the front-end process)."""
     code = (f"{prelude}import runpy, sys; sys.argv = ['run_vllm.py', '--target', {target!r}, '--prompts', "
             f"{str(prompts)!r}, '--output', '/dev/null', '--drafter', {str(drafter)!r}, "
             "'--max-tokens', '4']; runpy.run_path(" + repr(str(HERE / "run_vllm.py")) + ", run_name='__main__')")
-    result = run([sys.executable, "-c", code], timeout=600, check=False)
+    return run([sys.executable, "-c", code], timeout=600, check=False, env=env)
+
+
+def _serve_fails(target: str, drafter: Path, prompts: Path, prelude: str = "", env: dict | None = None) -> str:
+    """Start vLLM with `drafter`; return its output, asserting it failed before generating."""
+    result = _serve(target, drafter, prompts, prelude, env)
     assert result.returncode != 0, result.stdout[-3000:]
     return result.stdout
 
@@ -192,6 +200,37 @@ def test_missing_and_truncated_weights_are_refused(target, exports, one_prompt, 
 def test_an_unsupported_vllm_version_is_refused(target, exports, one_prompt):
     start = time.monotonic()
     out = _serve_fails(target, exports / "poss2", one_prompt, prelude="import vllm; vllm.__version__ = '0.31.0'; ")
-    assert "supports vLLM 0.32.x only" in out and "this environment has vLLM 0.31.0" in out
+    assert "supports vLLM 0.32.x, 0.33.x only" in out and "this environment has vLLM 0.31.0" in out
+    assert "its interfaces check out" in out and "POSS_VLLM_UNCHECKED_VERSION=1" in out  # the reason, this vLLM's
     assert "Engine core" not in out, "refused only after starting an engine"
     print(f"refused in {time.monotonic() - start:.1f} s")
+
+
+def test_an_unchecked_version_serves_when_asked_and_its_interfaces_check_out(target, exports, one_prompt):
+    out = _serve(target, exports / "poss2", one_prompt, prelude="import vllm; vllm.__version__ = '0.31.0'; ",
+                 env={"POSS_VLLM_UNCHECKED_VERSION": "1"})
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "vLLM 0.31.0 is not one this plugin was checked against" in out.stdout
+
+
+def test_model_runner_v2_is_refused_before_an_engine_starts(target, exports, one_prompt):
+    """PosS drafters need the V1 runner's proposer (it passes the draft index); V2 asked for explicitly: refused."""
+    out = _serve_fails(target, exports / "poss2", one_prompt, env={"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    assert "PosS drafters are served by vLLM's V1 model runner" in out and "VLLM_USE_V2_MODEL_RUNNER=1" in out
+    assert "Engine core" not in out, "refused only after starting an engine"
+
+
+def test_the_exports_batch_schedule_stops_drafting_above_its_max_batch_size(vllm_runs, exports):
+    """The plugin gives the engine the export's schedule (the shipped drafter's tuned max_batch_size 2: K draft tokens
+    up to 2 scheduled requests, none above). The 6 prompts start together: rounds of more than 2 requests draft
+    nothing (fewer drafts than without the schedule), the answers stay vLLM's own."""
+    k = 3
+    config = json.loads((exports / "poss2" / "config.json").read_text())
+    limit = config["poss"]["speculative_config"]["max_batch_size"]
+    scheduled, unscheduled = vllm_runs.get("poss2", k, schedule="export"), vllm_runs.get("poss2", k)
+    print(f"schedule {scheduled['schedule']}: drafts {scheduled['counters']['spec_decode_num_drafts']} against "
+          f"{unscheduled['counters']['spec_decode_num_drafts']} without it")
+    assert scheduled["schedule"] == [[1, limit, k], [limit + 1, limit + 1, 0]]
+    assert unscheduled["schedule"] is None
+    assert scheduled["answers"] == vllm_runs.get(None)["answers"]
+    assert scheduled["counters"]["spec_decode_num_drafts"] < unscheduled["counters"]["spec_decode_num_drafts"]

@@ -1,9 +1,11 @@
 """Tell the draft model which draft step it is running.
 
-vLLM 0.32's proposer (`vllm/v1/spec_decode/llm_base_proposer.py`, `SpecDecodeBaseProposer.propose`) builds the
-attention metadata right before every draft-model call with `build_per_group_and_layer_attn_metadata(cad,
-draft_index=i)`: `i = 0` for the first pass (draft position 1), `i` for position `i + 1`. Wrapping that method is
-the one change this plugin makes to vLLM's code path; the model reads the index at its next forward.
+The EAGLE proposer of vLLM's V1 model runner (`vllm/v1/spec_decode/llm_base_proposer.py`,
+`SpecDecodeBaseProposer.propose`, the same in vLLM 0.32 and 0.33) builds the attention metadata right before every
+draft-model call with `build_per_group_and_layer_attn_metadata(cad, draft_index=i)`: `i = 0` for the first pass
+(draft position 1), `i` for position `i + 1`. Wrapping that method is the one change this plugin makes to vLLM's
+drafting; the model reads the index at its next forward, which runs eagerly (the package docstring says why graphs
+cannot freeze it, and which settings are refused).
 """
 
 from __future__ import annotations

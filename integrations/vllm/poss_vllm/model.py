@@ -21,7 +21,8 @@ from vllm.model_executor.models.llama_eagle3 import LlamaDecoderLayer as Eagle3D
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 
 from . import PosSServingError, check_vllm_version
-from .config import check_target, check_weights, safetensors_names
+from .config import (check_engine_mode, check_target, check_weights, position_groups, safetensors_names,
+                     specialist_for_position)
 
 # Checkpoint (transformers) projection names -> (vLLM fused parameter, shard id).
 _STACKED = {
@@ -66,11 +67,14 @@ class _PosSBase:
                 f"This PosS drafter is {drafter_type!r}-style: serve it with speculative method {drafter_type!r}, "
                 f"not {speculative.method!r}"
             )
+        from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+        check_engine_mode(vllm_config, is_breakable_cudagraph_enabled())
         check_target(poss, vllm_config.model_config.hf_config)
         self.weights_path = check_weights(speculative.draft_model_config.model, poss)
         self.poss = poss
         self.num_specialists = poss["num_specialists"]
-        self.positions_per_specialist = poss["positions_per_specialist"]
+        self.position_groups = position_groups(poss)
         # Specialists 0 .. drafting - 1 serve positions 1 .. K; later ones would only write KV nobody reads.
         self.drafting_specialists = self.specialist_for_position(speculative.num_speculative_tokens) + 1
         self._draft_index: int | None = None
@@ -84,7 +88,7 @@ class _PosSBase:
         self._draft_index = int(draft_index)
 
     def specialist_for_position(self, position: int) -> int:
-        return min((position - 1) // self.positions_per_specialist, self.num_specialists - 1)
+        return specialist_for_position(position, self.position_groups)
 
     def _plan(self) -> tuple[int, range]:
         """(specialist whose output this call returns, specialists that run): the first pass runs every specialist
