@@ -217,8 +217,9 @@ class PosSDrafter(PosSPreTrainedModel):
         HASS and PosS research checkpoints, see `transformers_poss.checkpoints.research`, and EAGLE-3 ones, see
         `transformers_poss.checkpoints.eagle3`).
 
-        Research checkpoints are converted on load; PosS ones need `num_specialists` and `positions_per_specialist`
-        unless their repo is a known preset. A native folder's `generation_config.json`, `training_record.json` and
+        Research checkpoints are converted on load; EAGLE-2-era PosS ones need `num_specialists` and
+        `positions_per_specialist` unless their repo is a known preset (the authors' PosS-on-EAGLE-3 checkpoints name
+        their class and load alone). A native folder's `generation_config.json`, `training_record.json` and
         `tuning_record.json` are read too. `int8_draft_weights=True` drafts with 8-bit weight copies on the CPU (the
         `int8_draft_weights` attribute; default off). A drafter with LoRA specialists (`transformers_poss.lora`) loads
         with its adapters, or merged into full specialist layers with `merge_lora=True`.
