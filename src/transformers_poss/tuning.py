@@ -414,12 +414,15 @@ def measure_batches(target, tokenizer, drafter, questions, batch_sizes, max_new_
 def measure_lookup(target, drafter, prompts: list[torch.LongTensor], lengths, max_new_tokens: int,
                    progress=None) -> dict[int, float]:
     """`{length: speedup}`: tokens/s of `generate` with `drafter` (its budget as it is) and a prompt-lookup branch of
-    each `length` (0: none), over plain greedy `generate`, on `prompts` (token ids `[1, L]` each); every prompt runs
-    plainly and with each length in turn, so drift slows them alike."""
+    each `length` (0: none), over plain greedy `generate`, on `prompts` (token ids `[1, L]` each); after an untimed
+    warm-up of each, every prompt runs plainly and with each length in turn, so drift slows them alike."""
     log = progress or (lambda message: None)
     views = {n: drafter.with_generation_config(lookup_num_tokens=n, speculation="always") for n in lengths}
     seconds = {n: 0.0 for n in ["plain", *lengths]}
     tokens = dict.fromkeys(seconds, 0)
+    for n in seconds:  # warm-up, untimed: a view's first call builds what later calls reuse
+        target.generate(prompts[0].to(target.device), max_new_tokens=8, do_sample=False,
+                        **({} if n == "plain" else {"assistant_model": views[n]}))
     for number, ids in enumerate(prompts, start=1):
         log(f"timing the prompt-lookup branch {list(lengths)} on prompt {number} of {len(prompts)} ...")
         ids = ids.to(target.device)
