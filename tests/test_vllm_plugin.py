@@ -142,13 +142,17 @@ def test_the_export_suggests_the_shipped_drafters_max_batch_size(tmp_path):
 
     drafter = PosSDrafter.from_pretrained(default_drafter_path("poss2"))
     budgets = drafter.generation_config.device_budgets
-    limit = min(entry["max_batch_size"] for entry in budgets.values() if "max_batch_size" in entry)
+    limit = min(entry["max_batch_size"] for kind, entry in budgets.items()
+                if "max_batch_size" in entry and kind.endswith("/bfloat16"))  # the kinds engines serve in
     k = drafter.generation_config.tree_depth
     suggestion = vllm_speculative_config(drafter)
     assert suggestion["num_speculative_tokens"] == k and suggestion["max_batch_size"] == limit
     assert suggestion["num_speculative_tokens_per_batch_size"] == [[1, limit, k], [limit + 1, limit + 1, 0]]
     assert set(suggestion["max_batch_size_by_device_kind"]) == {kind for kind, entry in budgets.items()
                                                                 if "max_batch_size" in entry}
+    drafter.generation_config.device_budgets = {"cpu:x/float32": {"max_batch_size": 0},
+                                                "cpu:x/bfloat16": {"max_batch_size": 4}}
+    assert vllm_speculative_config(drafter)["max_batch_size"] == 4  # an fp32 kind does not decide for engines
     drafter.generation_config.device_budgets, drafter.generation_config.max_batch_size = {}, None
     assert "num_speculative_tokens_per_batch_size" not in vllm_speculative_config(drafter)
     drafter.generation_config.max_batch_size = 0  # never pays: no drafting at any batch size

@@ -244,17 +244,18 @@ def vllm_tensors(drafter: PosSDrafter, first_specialist: bool = False) -> dict[s
 
 def vllm_speculative_config(drafter: PosSDrafter) -> dict:
     """The speculative config an export suggests to vLLM (the `poss` block's `speculative_config`): K
-    (`num_speculative_tokens`, the drafter's `tree_depth`) and, where the drafter has a tuned `max_batch_size` (per
-    device kind in `device_budgets`, or top level), the smallest of them as `max_batch_size` and vLLM's
-    `num_speculative_tokens_per_batch_size` schedule: K draft tokens up to that many scheduled requests, none above
-    (inclusive `[start, end, K]` ranges, the last K carried to larger batches). The poss_vllm plugin applies it."""
+    (`num_speculative_tokens`, the drafter's `tree_depth`) and, where the drafter has a tuned `max_batch_size`, the
+    smallest of those of the 16-bit device kinds in `device_budgets` (what engines serve in; every kind's when none is
+    16-bit; the top-level one otherwise) as `max_batch_size` and vLLM's `num_speculative_tokens_per_batch_size`
+    schedule: K draft tokens up to that many scheduled requests, none above (inclusive `[start, end, K]` ranges, the
+    last K carried to larger batches). The poss_vllm plugin applies it."""
     settings = drafter.generation_config
     k = settings.tree_depth
-    by_kind = {kind: entry["max_batch_size"] for kind, entry in sorted((getattr(settings, "device_budgets", None)
-                                                                         or {}).items())
+    by_kind = {kind: entry["max_batch_size"] for kind, entry in sorted(settings.device_budgets.items())
                if entry.get("max_batch_size") is not None}
-    limits = list(by_kind.values())
-    if getattr(settings, "max_batch_size", None) is not None:
+    served = {kind: limit for kind, limit in by_kind.items() if kind.endswith(("/bfloat16", "/float16"))}
+    limits = list((served or by_kind).values())
+    if not limits and settings.max_batch_size is not None:
         limits.append(settings.max_batch_size)
     suggestion = {"num_speculative_tokens": k, "max_batch_size_by_device_kind": by_kind}
     if limits:
