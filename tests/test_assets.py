@@ -106,6 +106,17 @@ def test_shipped_drafters(tmp_path, monkeypatch):
     assert "train" in str(error.value)
 
 
+@pytest.mark.parametrize("name", ["poss2", "single"])
+def test_shipped_drafters_have_an_entry_for_every_kind_readme_runs(name):
+    """bf16 on AVX-512 BF16 CPUs, fp32 there (README's way to token identity) and fp32 on AVX2-only CPUs: each kind
+    drafts with its tuned budget and the lookup branch, no `UntunedDeviceWarning` (issue 58)."""
+    config = assets.load_default_drafter(name).generation_config
+    for kind in ("cpu:avx512_bf16/bfloat16", "cpu:avx512_bf16/float32", "cpu:avx2/float32"):
+        resolved, tuned = config.for_device(kind)
+        assert tuned and resolved.max_batch_size == 2 and resolved.lookup_num_tokens == 10, kind
+        assert config.budget_sources(kind)["tree_depth"] == f"tuned for {kind}"
+
+
 def test_commands_are_registered():
     parser = build_parser()
     args = parser.parse_args(["demo", "--max-new-tokens", "8", "--drafter", "some/folder"])
