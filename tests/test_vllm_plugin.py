@@ -1,7 +1,7 @@
 """The poss_vllm plugin's plain-Python parts, without vLLM: the position -> specialist map (uniform and uneven groups),
 the batch-size schedule an export suggests and the plugin applies, the engine-mode refusals, and the interface check
-(`poss_vllm.interfaces`) on small fake vLLM trees and, where its wheel is at hand, on vLLM 0.33.0's sources.
-tests_vllm/ runs the real engine (and checks vLLM 0.33.0's wheel, fetching it)."""
+(`poss_vllm.interfaces`) on small fake vLLM trees. tests_vllm/ runs the real engine and checks vLLM 0.33.0's sources
+(`test_vllm_interfaces.py`, which fetches its wheel)."""
 
 from __future__ import annotations
 
@@ -251,24 +251,3 @@ def test_every_vllm_import_of_the_plugin_is_a_checked_symbol(plugin):
     symbols = {(need.module, need.name.split(".")[0]) for need in RELIED_ON if isinstance(need, Symbol)}
     imported = plugin_imports(PLUGIN / "poss_vllm")
     assert len(imported) >= 10 and set(imported) <= symbols, sorted(set(imported) - symbols)
-
-
-def _local_wheel(version: str) -> Path | None:
-    folders = [os.environ.get("POSS_VLLM_WHEELS"), ROOT / ".venv-vllm" / "wheels"]
-    for folder in filter(None, folders):
-        found = sorted(Path(folder).glob(f"vllm-{version}-*.whl"))
-        if found:
-            return found[-1]
-    return None
-
-
-def test_vllm_0_33_sources_meet_every_need_when_its_wheel_is_here(plugin):
-    wheel = _local_wheel("0.33.0")
-    if wheel is None:
-        pytest.skip("vLLM 0.33.0's wheel is not here (POSS_VLLM_WHEELS or .venv-vllm/wheels); tests_vllm fetches it "
-                    "(bash scripts/vllm_tests.sh -k interfaces), or: pip download --no-deps -d .venv-vllm/wheels "
-                    "vllm==0.33.0")
-    tree = plugin.interfaces.SourceTree.from_wheel(wheel)
-    assert tree.version() == "0.33.0"
-    failed = [f.line() for f in plugin.interfaces.check(tree) if not f.ok]
-    assert not failed, "\n".join(failed)
