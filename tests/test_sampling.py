@@ -55,16 +55,9 @@ def setup():
     return target, drafter, prompt
 
 
-@pytest.mark.parametrize("mode,lookup_tokens,int8", [
-    ("tree", 0, False), ("chain", 0, False), ("tree", 3, False), ("chain", 0, True)])
-def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_tokens, int8):
-    target, drafter, prompt = setup
+def _check_sampling(target, drafter, prompt, lookup_tokens=0):
+    """Draw SAMPLES speculative samples and test each position's marginal against plain sampling's exact one."""
     temperature = 0.7
-    drafter = copy.deepcopy(drafter)
-    drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = mode, lookup_tokens
-    drafter.int8_draft_weights = int8  # chain mode: q from the 8-bit products that drew the draft
-    if lookup_tokens:  # a small drafted tree and a repetitive prompt, so that grafted nodes get accepted
-        drafter.generation_config.tree_total_tokens, prompt = 3, torch.cat((prompt, prompt), dim=1)
     marginals = _exact_marginals(target, prompt, temperature)
     torch.manual_seed(0)
     samples, accepted, from_lookup = [], 0, 0
@@ -78,6 +71,30 @@ def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_to
     assert (from_lookup >= 5) == bool(lookup_tokens), from_lookup  # grafted nodes were accepted, and only then
     p_values = _p_values(samples, marginals)
     assert min(p_values) > ALPHA / NEW_TOKENS, p_values
+
+
+@pytest.mark.parametrize("mode,lookup_tokens,int8", [
+    ("tree", 0, False), ("chain", 0, False), ("tree", 3, False), ("chain", 0, True)])
+def test_speculative_sampling_matches_target_distribution(setup, mode, lookup_tokens, int8):
+    target, drafter, prompt = setup
+    drafter = copy.deepcopy(drafter)
+    drafter.generation_config.draft_mode, drafter.generation_config.lookup_num_tokens = mode, lookup_tokens
+    drafter.int8_draft_weights = int8  # chain mode: q from the 8-bit products that drew the draft
+    if lookup_tokens:  # a small drafted tree and a repetitive prompt, so that grafted nodes get accepted
+        drafter.generation_config.tree_total_tokens, prompt = 3, torch.cat((prompt, prompt), dim=1)
+    _check_sampling(target, drafter, prompt, lookup_tokens)
+
+
+@pytest.mark.parametrize("shape", [{"position_groups": [1, 2]}, {"position_groups": [1, 2], "lora_rank": 4}],
+                         ids=["uneven-groups", "lora-specialists"])
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_new_specialist_kinds_keep_the_target_distribution(shape, mode):
+    """Position 1 drafts with specialist 0, positions 2-3 with specialist 1 (a full layer or a LoRA adapter)."""
+    target = tiny_target("llama", vocab_size=VOCAB, seed=5)
+    drafter = fitted_drafter(target, num_specialists=2, tree_depth=3, tree_top_k=3, tree_total_tokens=10,
+                             steps=200, **shape)
+    drafter.generation_config.draft_mode = mode
+    _check_sampling(target, drafter, torch.tensor([[1, 4, 2, 7, 3]], device=DEVICE))
 
 
 def _wrong_accept_sampling(processed, tree):

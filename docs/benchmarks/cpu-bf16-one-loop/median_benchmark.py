@@ -2,6 +2,9 @@
 tokens/s, tau and each alpha_p, with the lowest and highest speedup.
 
     python docs/benchmarks/cpu-bf16-one-loop/median_benchmark.py > docs/benchmarks/cpu-bf16-one-loop/median.json
+    python docs/benchmarks/cpu-bf16-one-loop/median_benchmark.py RUN_FOLDER ... > median.json   # other runs
+
+(with no folder: the seven runs below, each a folder under docs/benchmarks holding results.json or results.json.gz)
     poss card src/transformers_poss/drafters/poss2-smollm2-135m-instruct --method poss2 --force \
         --benchmark docs/benchmarks/cpu-bf16-one-loop/median.json
 """
@@ -9,6 +12,7 @@ tokens/s, tau and each alpha_p, with the lowest and highest speedup.
 import gzip
 import json
 import statistics
+import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
@@ -22,10 +26,16 @@ LEFT_OUT = {"cpu-bf16-lean-rounds/bench-1": {"poss2-tree"}, "cpu-bf16-lean-round
             "cpu-bf16-lean-rounds/bench-3": {"poss2-16bit-tree"}}
 
 
+def load(folder: Path) -> dict:
+    plain = folder / "results.json"
+    return json.loads(plain.read_text()) if plain.is_file() else json.load(gzip.open(folder / "results.json.gz"))
+
+
 def main() -> None:
+    runs = sys.argv[1:] or RUNS
     rows, environment = {}, {}
-    for run in RUNS:
-        data = json.load(gzip.open(BENCHMARKS / run / "results.json.gz"))
+    for run in runs:
+        data = load(BENCHMARKS / run)
         environment = data["environment"]
         for row in data["results"]:
             if row["method"] not in LEFT_OUT.get(run, ()):
@@ -44,7 +54,7 @@ def main() -> None:
             "position_acceptance": [round(statistics.median(a[p] for a in alphas), 4)
                                     for p in range(min(len(a) for a in alphas))] if all(alphas) else [],
         })
-    environment = {"summary": f"median of {len(RUNS)} runs of the README benchmark (docs/results.md)",
+    environment = {"summary": f"median of {len(runs)} runs of the README benchmark (docs/results.md)",
                    **{k: environment[k] for k in ("cpu", "cpu_native_bf16", "dtype", "threads", "torch",
                                                   "transformers") if k in environment}}
     print(json.dumps({"results": results, "environment": environment}, indent=2))
