@@ -185,13 +185,24 @@ def test_unsupported_transformers_version_fails_at_import_check(monkeypatch):
         hook.check_transformers_version()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_tree_candidates_score_what_their_path_scores_as_a_chain(family):
+SHAPES = {"poss-1": {"num_specialists": 2, "positions_per_specialist": 1},
+          "groups-1-1-2": {"num_specialists": 3, "position_groups": [1, 1, 2]},
+          "lora-groups-1-1-2": {"num_specialists": 3, "position_groups": [1, 1, 2], "lora_rank": 4}}
+
+
+@pytest.mark.parametrize("family,shape", [("llama", "poss-1"), ("gemma3", "poss-1"), ("llama", "groups-1-1-2"),
+                                          ("qwen2", "lora-groups-1-1-2")])
+def test_tree_candidates_score_what_their_path_scores_as_a_chain(family, shape):
     """Every scored tree candidate's cumulative log-probability equals the sum over its root path drafted as a chain:
-    the tree feeds each node its parent's predicted feature, position and ancestors as a one-path draft does."""
+    the tree feeds each node its parent's predicted feature, position and ancestors as a one-path draft does, with
+    the same specialist at each level."""
     target = tiny_target(family)
     torch.manual_seed(0)
-    drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=1).eval()
+    drafter = PosSDrafter.from_target(target, **SHAPES[shape]).eval()
+    with torch.no_grad():  # LoRA adapters start at zero (every specialist alike): give each its own
+        for name, parameter in drafter.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.2)
     prompt = prompts(target.config.vocab_size, 1)[0]
     with torch.no_grad():
         out = target(prompt, output_hidden_states=-1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measurements of the four forks, in order (nothing else running while `tune` and `speed` time):
-#   bash measure.sh prompts|tune|tune-avx2|heldout|fp32-d6|speed RUNS DATA [BUDGET | HALF]
+#   bash measure.sh prompts|tune|tune-avx2|heldout|fp32-d6|compare|speed RUNS DATA [BUDGET | HALF]
 # RUNS: train.sh's folder (single, poss2, groups134, lora134); DATA: the folder holding distilled-val.jsonl (see
 # train.sh) and where the prompt files go. Acceptance runs (heldout, fp32-d6) are not timed.
 set -euo pipefail
@@ -10,8 +10,8 @@ SPECBENCH="${SPECBENCH:-$HERE/../../../../shared/data/specbench}"
 FORKS=(single poss2 groups134 lora134)
 TUNE=(--limit 3 --max-new-tokens 48 --threads 2 --top-k 1,2,4,8 --max-depth 6 --totals 2,3,4,6,8,12,16,24,32
       --lookup-tokens 0,10 --int8-draft-weights on --prompts "$SPECBENCH/mt_bench.jsonl")
-drafters() {  # --drafter NAME=RUNS/NAME$1 for the four forks
-  for name in "${FORKS[@]}"; do printf -- "--drafter %s=%s " "$name" "$RUNS/$name$1"; done
+drafters() {  # --drafter $2NAME=RUNS/NAME$1 for the four forks
+  for name in "${FORKS[@]}"; do printf -- "--drafter %s=%s " "${2:-}$name" "$RUNS/$name$1"; done
 }
 case $STAGE in
 prompts)  # held-out prompts: the first user turn of each held-out ShareGPT record (4000-4031, never trained on);
@@ -50,11 +50,23 @@ fp32-d6)  # the paper's budget in fp32 on 64 category-balanced MT-Bench turns in
         --prompt-lookup 0 --modes tree --tree-depth 6 --tree-top-k 10 --tree-total-tokens 60 --lookup-tokens 0 \
         --quiet --no-plots $(drafters "") --output-dir "$HERE/fp32-d6-$half"
   done ;;
-speed)  # README's benchmark, three runs: the shipped drafters and the tuned forks, each at its own budget,
-  # methods interleaved turn by turn
+compare)  # each fork against the single one, per draft position, paired bootstrap over the turns: held-out bf16
+  # runs (one per budget) and the fp32 depth-6 halves pooled
+  mkdir -p "$HERE/compare"
+  for name in poss2 groups134 lora134; do
+    for run in "$HERE"/heldout-*/; do
+      budget=$(basename "$run")
+      poss compare "$name-tree" single-tree "$run/results.json" --output-json "$HERE/compare/$budget-$name.json" \
+          > "$HERE/compare/$budget-$name.txt"
+    done
+    poss compare "$name-tree" single-tree "$HERE"/fp32-d6-*/results.json --output-json "$HERE/compare/fp32-d6-$name.json" \
+        > "$HERE/compare/fp32-d6-$name.txt"
+  done ;;
+speed)  # README's benchmark, three runs: the shipped drafters and the tuned forks (named fork-NAME), each at its own
+  # budget, methods interleaved turn by turn
   for run in 1 2 3; do
     poss bench --target default --dtype bfloat16 --threads 2 --prompts mt_bench --limit 8 --max-new-tokens 128 \
-        --prompt-lookup 10 --modes tree --int8-draft-weights on --drafter default $(drafters -tuned) --no-plots \
+        --prompt-lookup 10 --modes tree --int8-draft-weights on --drafter default $(drafters -tuned fork-) --no-plots \
         --output-dir "$HERE/speed-$run"
   done ;;
 *) echo "unknown stage $STAGE" >&2; exit 2 ;;
