@@ -3,6 +3,7 @@ tokens/s, tau and each alpha_p, with the lowest and highest speedup.
 
     python docs/benchmarks/cpu-bf16-one-loop/median_benchmark.py > docs/benchmarks/cpu-bf16-one-loop/median.json
     python docs/benchmarks/cpu-bf16-one-loop/median_benchmark.py RUN_FOLDER ... > median.json   # other runs
+    python docs/benchmarks/cpu-bf16-one-loop/median_benchmark.py --drop fork- RUN_FOLDER ...     # without fork-* rows
 
 (with no folder: the seven runs below, each a folder under docs/benchmarks holding results.json or results.json.gz)
     poss card src/transformers_poss/drafters/poss2-smollm2-135m-instruct --method poss2 --force \
@@ -32,13 +33,17 @@ def load(folder: Path) -> dict:
 
 
 def main() -> None:
-    runs = sys.argv[1:] or RUNS
+    arguments = sys.argv[1:]
+    drop = ()
+    if arguments[:1] == ["--drop"]:
+        drop, arguments = (arguments[1],), arguments[2:]
+    runs = arguments or RUNS
     rows, environment = {}, {}
     for run in runs:
         data = load(BENCHMARKS / run)
         environment = data["environment"]
         for row in data["results"]:
-            if row["method"] not in LEFT_OUT.get(run, ()):
+            if row["method"] not in LEFT_OUT.get(run, ()) and not row["method"].startswith(drop):
                 rows.setdefault(RENAMED.get(row["method"], row["method"]), []).append(row)
     results = []
     for method, found in rows.items():

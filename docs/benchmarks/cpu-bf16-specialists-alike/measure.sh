@@ -7,7 +7,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 STAGE=$1 RUNS=$2 DATA=$3
 SPECBENCH="${SPECBENCH:-$HERE/../../../../shared/data/specbench}"
-FORKS=(single poss2 groups134 lora134)
+read -ra FORKS <<< "${FORKS:-single poss2 groups134 lora134}"  # FORKS="single groups134": only these
 TUNE=(--limit 3 --max-new-tokens 48 --threads 2 --top-k 1,2,4,8 --max-depth 6 --totals 2,3,4,6,8,12,16,24,32
       --lookup-tokens 0,10 --int8-draft-weights on --prompts "$SPECBENCH/mt_bench.jsonl")
 drafters() {  # --drafter $2NAME=RUNS/NAME$1 for the four forks
@@ -34,6 +34,7 @@ tune-avx2)  # each fork's fp32 budget on an AVX2-only CPU kind (dtype auto picks
   for name in "${FORKS[@]}"; do
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 poss tune "$RUNS/$name-tuned" --dtype float32 "${TUNE[@]}" \
         | tee "$HERE/tune/$name-avx2-fp32.txt"
+    for file in tuning_record.json generation_config.json; do cp "$RUNS/$name-tuned/$file" "$HERE/tune/$name-$file"; done
   done ;;
 heldout)  # acceptance on the held-out prompts in bf16 at one budget (BUDGET = depth/top-k/tokens, default the
   # shipped default's 2/4/4), no lookup branch, every fork at the same budget
@@ -56,6 +57,7 @@ compare)  # each fork against the single one, per draft position, paired bootstr
   for name in poss2 groups134 lora134; do
     for run in "$HERE"/heldout-*/; do
       budget=$(basename "$run")
+      grep -q "\"$name-tree\"" "$run/results.json" || continue  # not run at this budget
       poss compare "$name-tree" single-tree "$run/results.json" --output-json "$HERE/compare/$budget-$name.json" \
           > "$HERE/compare/$budget-$name.txt"
     done
