@@ -61,6 +61,7 @@ compare)  # each fork against the single one, per draft position, paired bootstr
       poss compare "$name-tree" single-tree "$run/results.json" --output-json "$HERE/compare/$budget-$name.json" \
           > "$HERE/compare/$budget-$name.txt"
     done
+    compgen -G "$HERE/fp32-d6-*/results.json" > /dev/null || continue  # fp32-d6 not run yet
     poss compare "$name-tree" single-tree "$HERE"/fp32-d6-*/results.json --output-json "$HERE/compare/fp32-d6-$name.json" \
         > "$HERE/compare/fp32-d6-$name.txt"
   done ;;
