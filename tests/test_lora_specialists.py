@@ -9,18 +9,9 @@ import json
 import pytest
 import torch
 
-from tiny_models import FAMILIES, fitted_drafter, prompts, tiny_target
+from tiny_models import FAMILIES, distinct_adapters, fitted_drafter, prompts, tiny_target
 from transformers_poss import PosSConfig, PosSDrafter
 from transformers_poss.training.initialization import warm_start
-
-
-def _perturbed(drafter):
-    """Give every adapter a non-zero B (they start at zero), so specialists really differ."""
-    torch.manual_seed(5)
-    for module in drafter.modules():
-        if hasattr(module, "lora_B"):
-            torch.nn.init.normal_(module.lora_B["default"].weight, std=0.05)
-    return drafter
 
 
 def test_specialists_share_one_layer_and_each_has_its_adapter():
@@ -48,7 +39,7 @@ def test_bad_lora_settings_are_refused(bad, message):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_specialists_draft_losslessly(family):
     target = tiny_target(family)
-    drafter = _perturbed(fitted_drafter(target, num_specialists=3, position_groups=[1, 2, 3], lora_rank=4,
+    drafter = distinct_adapters(fitted_drafter(target, num_specialists=3, position_groups=[1, 2, 3], lora_rank=4,
                                         steps=150, tree_depth=5, tree_top_k=3, tree_total_tokens=12))
     seen = []
     for mode in ("tree", "chain"):
@@ -68,7 +59,8 @@ def test_saved_once_loaded_kept_or_merged_and_exported_merged(tmp_path):
     from transformers_poss.checkpoints.export import export_vllm
 
     target = tiny_target("llama")
-    drafter = _perturbed(PosSDrafter.from_target(target, num_specialists=3, position_groups=[1, 2, 3], lora_rank=4))
+    drafter = PosSDrafter.from_target(target, num_specialists=3, position_groups=[1, 2, 3], lora_rank=4)
+    drafter = distinct_adapters(drafter)
     drafter.save_pretrained(tmp_path / "lora")
     with safe_open(tmp_path / "lora" / "model.safetensors", "pt") as f:
         names = set(f.keys())
@@ -100,7 +92,7 @@ def test_saved_once_loaded_kept_or_merged_and_exported_merged(tmp_path):
 
 def test_training_starts_from_a_single_specialist_where_it_stands():
     target = tiny_target("llama")
-    single = _perturbed(fitted_drafter(target, num_specialists=1, positions_per_specialist=6, steps=40))
+    single = fitted_drafter(target, num_specialists=1, positions_per_specialist=6, steps=40)
     drafter = PosSDrafter.from_target(target, num_specialists=3, position_groups=[1, 2, 3], lora_rank=4)
     warm_start(drafter, single)
     ids, features = torch.randint(0, 90, (1, 6)), torch.randn(1, 6, 64)

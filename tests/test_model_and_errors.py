@@ -8,7 +8,7 @@ import transformers
 from transformers import AutoConfig, AutoModel
 from transformers.cache_utils import DynamicCache
 
-from tiny_models import DEVICE, prompts, tiny_target
+from tiny_models import DEVICE, distinct_adapters, prompts, tiny_target
 from transformers_poss import PosSConfig, PosSDrafter, PosSGenerationConfig
 from transformers_poss.generation import hook
 from transformers_poss.generation.drafting import DraftSession, draft_chain, draft_tree
@@ -198,11 +198,7 @@ def test_tree_candidates_score_what_their_path_scores_as_a_chain(family, shape):
     the same specialist at each level."""
     target = tiny_target(family)
     torch.manual_seed(0)
-    drafter = PosSDrafter.from_target(target, **SHAPES[shape]).eval()
-    with torch.no_grad():  # LoRA adapters start at zero (every specialist alike): give each its own
-        for name, parameter in drafter.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(std=0.2)
+    drafter = distinct_adapters(PosSDrafter.from_target(target, **SHAPES[shape]), std=0.2).eval()
     prompt = prompts(target.config.vocab_size, 1)[0]
     with torch.no_grad():
         out = target(prompt, output_hidden_states=-1)

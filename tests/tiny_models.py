@@ -54,6 +54,17 @@ def prompts(vocab_size: int = 96, count: int = 3, seed: int = 1) -> list[torch.L
     return [torch.randint(0, vocab_size, (1, n), generator=generator).to(DEVICE) for n in lengths]
 
 
+def distinct_adapters(drafter, std: float = 0.05, seed: int = 5):
+    """Give every LoRA specialist's adapter a random non-zero B (peft starts B at zero, every specialist alike), so
+    the specialists really differ; a drafter without adapters is returned unchanged."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in drafter.named_parameters():
+            if ".lora_B." in name:
+                parameter.normal_(std=std)
+    return drafter
+
+
 def fitted_drafter(target, num_specialists: int = 2, positions_per_specialist: int = 2, steps: int = 500,
                    seed: int = 0, **config):
     """A drafter briefly fitted (teacher forcing) to the target's own greedy continuations and features.
