@@ -1,6 +1,6 @@
 """Drafting with the early stop against drafting every level, interleaved in one process (real rounds, greedy).
 
-    python docs/benchmarks/cpu-bf16-early-stop/early_stop_ab.py --budget 2/4/4 --budget 6/4/6 --budget 6/4/12
+    python benchmarks/cpu-bf16-early-stop/early_stop_ab.py --budget 2/4/4 --budget 6/4/6 --budget 6/4/12
 
 "every level" patches `drafting.level_rank` to report no rank, so a draft runs all its levels; the trees are the same
 either way (the script checks every answer). Each prompt (one MT-Bench first turn per category) runs every budget

@@ -1,10 +1,11 @@
-"""A prototype, not part of the library: `scripts/draft_profile.py` with each specialist layer wrapped in
+"""A prototype, not part of the library: `benchmarks/scripts/draft_profile.py` with each specialist layer wrapped in
 `torch.compile(layer, dynamic=True)` (inductor, CPU). Run from the repository root:
 
-    python docs/benchmarks/cpu-bf16-lean-rounds/compiled_draft_profile.py --depth 6 --top-k 4 --total 12 \
+    python benchmarks/cpu-bf16-lean-rounds/compiled_draft_profile.py --depth 6 --top-k 4 --total 12 \
         --deep-vocab 4096 --rounds 60
 
-and the same command with `scripts/draft_profile.py` for the eager round. Prints the total time with compilation.
+and the same command with `benchmarks/scripts/draft_profile.py` for the eager round. Prints the total time with
+compilation.
 """
 
 import importlib.util
@@ -17,7 +18,7 @@ from transformers_poss import PosSDrafter
 
 here = os.path.dirname(os.path.abspath(__file__))
 spec = importlib.util.spec_from_file_location(
-    "draft_profile", os.path.join(here, "..", "..", "..", "scripts", "draft_profile.py"))
+    "draft_profile", os.path.join(here, "..", "scripts", "draft_profile.py"))
 draft_profile = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(draft_profile)
 

@@ -1,6 +1,6 @@
 """8-bit draft products for up to 16 input rows against up to 4 (`modeling_poss.INT8_MAX_ROWS`), in one process.
 
-    python docs/benchmarks/cpu-bf16-lean-specialists/int8_rows_ab.py [--repeated] --budget 6/4/12/4096 ...
+    python benchmarks/cpu-bf16-lean-specialists/int8_rows_ab.py [--repeated] --budget 6/4/12/4096 ...
 
 Runs `lean_ab.py`'s comparison with its "earlier" path replaced: "earlier" is 4 rows (the library's setting), "lean"
 is 16 rows.

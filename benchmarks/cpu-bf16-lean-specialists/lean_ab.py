@@ -1,12 +1,12 @@
 """Lean draft rounds against the earlier eager path, interleaved in one process (real rounds, greedy, no lookup).
 
-    python docs/benchmarks/cpu-bf16-lean-specialists/lean_ab.py --budget 2/4/4 --budget 6/4/12/4096
+    python benchmarks/cpu-bf16-lean-specialists/lean_ab.py --budget 2/4/4 --budget 6/4/12/4096
 
 "earlier" switches off, by patching the library for that call only, two changes of this run: the lean specialist
 forward (`runs_lean`) and RoPE rows from a table (`_rope_table_allowed`); the per-round mask buffer stays in both. Each prompt runs every budget with both
 paths, alternating which goes first; the table gives median draft ms per round and per depth, and bookkeeping.
-`--repeated` instead drafts the same tree over and over on one 300-token context (as `scripts/draft_profile.py`),
-alternating the paths round by round.
+`--repeated` instead drafts the same tree over and over on one 300-token context (as
+`benchmarks/scripts/draft_profile.py`), alternating the paths round by round.
 """
 
 import argparse

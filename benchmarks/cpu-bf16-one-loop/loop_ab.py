@@ -6,7 +6,7 @@ so drift slows them alike. Turns: the first `--limit` MT-Bench questions, the fi
 follow-up's history is the plain answer). Prints per-turn times, the median ratio new / old, and whether the answers
 are identical.
 
-    python docs/benchmarks/cpu-bf16-one-loop/loop_ab.py --prompts ../shared/data/specbench/mt_bench.jsonl
+    python benchmarks/cpu-bf16-one-loop/loop_ab.py --prompts ../shared/data/specbench/mt_bench.jsonl
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The README benchmark's typical figures for the drafter cards: per method, the median over the runs of speedup,
 tokens/s, tau and each alpha_p, with the lowest and highest speedup.
 
-    python docs/benchmarks/cpu-bf16-one-loop/median_benchmark.py > docs/benchmarks/cpu-bf16-one-loop/median.json
-    python docs/benchmarks/cpu-bf16-one-loop/median_benchmark.py RUN_FOLDER ... > median.json   # other runs
-    python docs/benchmarks/cpu-bf16-one-loop/median_benchmark.py --drop fork- RUN_FOLDER ...     # without fork-* rows
+    python benchmarks/cpu-bf16-one-loop/median_benchmark.py > benchmarks/cpu-bf16-one-loop/median.json
+    python benchmarks/cpu-bf16-one-loop/median_benchmark.py RUN_FOLDER ... > median.json   # other runs
+    python benchmarks/cpu-bf16-one-loop/median_benchmark.py --drop fork- RUN_FOLDER ...     # without fork-* rows
 
 (with no folder: the seven runs below, each a folder under docs/benchmarks holding results.json or results.json.gz)
     poss card src/transformers_poss/drafters/poss2-smollm2-135m-instruct --method poss2 --force \
-        --benchmark docs/benchmarks/cpu-bf16-one-loop/median.json
+        --benchmark benchmarks/cpu-bf16-one-loop/median.json
 """
 
 import gzip

@@ -4,7 +4,7 @@ Runs the README benchmark's conversations (first 8 MT-Bench questions, both turn
 later turns see the drafter's own earlier answers) with the shipped drafter as it is and counts, per turn kind, the
 rounds that graft a branch, the nodes it appends to the drafted tree and the tokens accepted from those nodes:
 
-    python docs/benchmarks/cpu-bf16-round-limits/branch_stats.py
+    python benchmarks/cpu-bf16-round-limits/branch_stats.py
 """
 
 import collections

@@ -6,7 +6,7 @@ and running round nodes only; the draft head with log-softmax; projections; node
 `--ops`, for each top-level operator called inside `draft_trees` (the rest is Python). One process, nothing else
 running:
 
-    python docs/benchmarks/cpu-bf16-round-limits/draft_split.py --budget 6/4/6 [--ops]
+    python benchmarks/cpu-bf16-round-limits/draft_split.py --budget 6/4/6 [--ops]
 """
 
 import argparse

@@ -4,7 +4,7 @@ Random bf16 weights of the shipped PosS-2's shapes (SmolLM2-135M: q/o 576 x 576,
 down 576 x 1536, fc 576 x 1152, the 16,384-row draft head), inputs of 1 to 300 rows; median of 20 calls, "cold"
 after streaming 300 MB through the caches as a target forward does. 2 threads:
 
-    python docs/benchmarks/cpu-bf16-round-limits/product_bits.py
+    python benchmarks/cpu-bf16-round-limits/product_bits.py
 """
 
 import statistics

@@ -7,7 +7,7 @@ the 8-bit path runs; weights whose output count is not a multiple of 16 (the hea
 decoding, then both drafters in alternating order. Prints tau, median draft ms per round, speedup and identical
 answers for each:
 
-    python docs/benchmarks/cpu-bf16-round-limits/weight_bits_ab.py --budget 2/4/4 --budget 6/4/6
+    python benchmarks/cpu-bf16-round-limits/weight_bits_ab.py --budget 2/4/4 --budget 6/4/6
 """
 
 import argparse

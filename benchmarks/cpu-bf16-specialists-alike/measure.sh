@@ -6,7 +6,7 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 STAGE=$1 RUNS=$2 DATA=$3
-SPECBENCH="${SPECBENCH:-$HERE/../../../../shared/data/specbench}"
+SPECBENCH="${SPECBENCH:-$HERE/../../../shared/data/specbench}"
 read -ra FORKS <<< "${FORKS:-single poss2 groups134 lora134}"  # FORKS="single groups134": only these
 TUNE=(--limit 3 --max-new-tokens 48 --threads 2 --top-k 1,2,4,8 --max-depth 6 --totals 2,3,4,6,8,12,16,24,32
       --lookup-tokens 0,10 --int8-draft-weights on --prompts "$SPECBENCH/mt_bench.jsonl")

@@ -12,7 +12,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 RUNS=$1 FEAT=$2
 shift 2
-SINGLE="$HERE/../../../src/transformers_poss/drafters/single-smollm2-135m-instruct"
+SINGLE="$HERE/../../src/transformers_poss/drafters/single-smollm2-135m-instruct"
 T=$(poss fetch-target | tail -n 1)
 COMMON=(--target "$T" --target-dtype bfloat16 --features "$FEAT/feat-a" --val-features "$FEAT/feat-val"
         --depth 6 --draft-vocab-size 16384 --draft-head-rows 4096 --warmup-steps 20 --batch-size 4 --max-length 384

@@ -1,6 +1,6 @@
 """Does the reduced draft vocabulary pay, and at what size? Tau and speed of one trained drafter at several sizes.
 
-    python docs/benchmarks/cpu-draft-vocab-sweep/draft_vocab_sweep.py --prompts ../shared/data/specbench --datasets mt_bench,gsm8k --limit 2 \
+    python benchmarks/cpu-draft-vocab-sweep/draft_vocab_sweep.py --prompts ../shared/data/specbench --datasets mt_bench,gsm8k --limit 2 \
         --max-new-tokens 64 --dtype float32
 
 The drafter's draft vocabulary is ordered most frequent first, so its first N rows are the draft vocabulary of size

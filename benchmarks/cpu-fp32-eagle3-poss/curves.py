@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-# Held-out top-1 accuracy at draft positions 1..6 that the shipped drafters' records and docs/HISTORY.md give, by
+# Held-out top-1 accuracy at draft positions 1..6 that the shipped drafters' records and benchmarks/HISTORY.md give, by
 # steps in all. These runs trained on original ShareGPT answers up to 3,662 steps (validated then on other answers,
 # so not drawn), and on the target's answers after.
 SHIPPED = {

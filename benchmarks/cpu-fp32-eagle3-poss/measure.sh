@@ -8,11 +8,11 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 STAGE=$1 RUNS=$2 DATA=$3
 SHIPPED="$HERE/../cpu-fp32-all-rounds-d6-mt_bench"
-DRAFTERS="$HERE/../../../src/transformers_poss/drafters"
+DRAFTERS="$HERE/../../src/transformers_poss/drafters"
 REC="$HERE/records"
 case $STAGE in
 prompts)  # the two halves of the 64 turns, from Spec-Bench's MT-Bench file (SPECBENCH: its folder)
-  python - "${SPECBENCH:-$HERE/../../../../shared/data/specbench}/mt_bench.jsonl" "$DATA" <<'PY'
+  python - "${SPECBENCH:-$HERE/../../../shared/data/specbench}/mt_bench.jsonl" "$DATA" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 categories = dict.fromkeys(r["category"] for r in rows)

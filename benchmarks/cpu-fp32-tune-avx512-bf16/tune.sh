@@ -5,7 +5,7 @@
 # and tuning_record.json, and this folder's logs:   bash tune.sh [poss2|single ...]
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
-PROMPTS="${SPECBENCH:-$HERE/../../../../shared/data/specbench}/mt_bench.jsonl"
+PROMPTS="${SPECBENCH:-$HERE/../../../shared/data/specbench}/mt_bench.jsonl"
 for drafter in "${@:-poss2 single}"; do
   for name in $drafter; do
     poss tune "$name" --prompts "$PROMPTS" --limit 4 --max-new-tokens 48 --dtype float32 --threads 2 \

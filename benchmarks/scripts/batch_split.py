@@ -1,7 +1,7 @@
 """Where a batched speculative round's time goes: the shipped PosS-2 on the default target (bf16, 2 threads), one
 left-padded batch of MT-Bench first turns (one per category), greedy, at batch sizes 1 and 8:
 
-    python scripts/batch_split.py --lookup-tokens 10      # the shipped lookup branch; 0 turns it off
+    python benchmarks/scripts/batch_split.py --lookup-tokens 10      # the shipped lookup branch; 0 turns it off
 
 Prints per round the drafting time of all rows, the shared verification forward, bookkeeping and the rest of the
 call (prefill, output), summed over the rows' records (`out.row_stats`).

@@ -1,7 +1,7 @@
 """How far does a multi-token forward put plain `generate`'s own tokens from its argmax? (the bf16 tolerance)
 
-    python scripts/consistency_noise.py                                   # the `poss demo` prompts, bf16
-    python scripts/consistency_noise.py --prompts ../shared/data/specbench/mt_bench.jsonl --limit 8 --drafter default
+    python benchmarks/scripts/consistency_noise.py                                   # the `poss demo` prompts, bf16
+    python benchmarks/scripts/consistency_noise.py --prompts ../shared/data/specbench/mt_bench.jsonl --limit 8 --drafter default
 
 For each prompt, plain greedy `generate` answers it; then the answer is read back by forwards of other shapes: one
 teacher-forced forward over the whole answer (the check `poss demo` and `poss bench` used before), and forwards of

@@ -1,6 +1,6 @@
 """Time and profile repeated draft rounds of a drafter on one committed context (the default target, bf16).
 
-    python scripts/draft_profile.py --depth 6 --top-k 4 --total 12 [--deep-vocab 4096] [--cold] [--profile]
+    python benchmarks/scripts/draft_profile.py --depth 6 --top-k 4 --total 12 [--deep-vocab 4096] [--cold] [--profile]
 
 Commits a 300-token context, drafts the same tree `--rounds` times (each round dropped afterwards, as between real
 rounds) and prints the median round time and time per depth; `--profile` adds torch profiler tables by operator and

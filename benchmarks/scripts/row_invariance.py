@@ -1,8 +1,8 @@
 """Are this device's kernels row-invariant? Why speculative outputs can differ from plain `generate` in 16-bit.
 
-    python scripts/row_invariance.py                        # the default target, bfloat16, 300-token context
-    python scripts/row_invariance.py --dtype float32 --rows 8
-    python scripts/row_invariance.py --device cuda --config FOLDER   # random weights of FOLDER's architecture
+    python benchmarks/scripts/row_invariance.py                        # the default target, bfloat16, 300-token context
+    python benchmarks/scripts/row_invariance.py --dtype float32 --rows 8
+    python benchmarks/scripts/row_invariance.py --device cuda --config FOLDER   # random weights of FOLDER's architecture
 
 Verification computes `n` tree tokens in one forward, plain decoding one token per forward. Where a kernel gives a
 row different bits depending on how many rows it runs with, the two part at near-ties of the argmax (the output stays

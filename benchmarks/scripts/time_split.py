@@ -3,8 +3,8 @@
 Runs on a tiny random Llama target with a freshly initialised PosS drafter (seconds, no downloads), or on a real
 target and drafter given as paths:
 
-    python scripts/time_split.py
-    python scripts/time_split.py --target PATH --drafter PATH --prompt "Explain KV caches." --max-new-tokens 64
+    python benchmarks/scripts/time_split.py
+    python benchmarks/scripts/time_split.py --target PATH --drafter PATH --prompt "Explain KV caches." --max-new-tokens 64
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """How much does verifying a tree of n tokens cost on this machine, relative to one decode step?
 
-    python scripts/verify_cost.py                      # the default target, fp32, 300-token context
-    python scripts/verify_cost.py --dtype bfloat16 --sizes 1,8,16,32,64
-    python scripts/verify_cost.py --dtype bfloat16 --lm-head --sizes 1,2,4,8,14
-    python scripts/verify_cost.py --device cuda --config FOLDER   # random weights of FOLDER's architecture
+    python benchmarks/scripts/verify_cost.py                      # the default target, fp32, 300-token context
+    python benchmarks/scripts/verify_cost.py --dtype bfloat16 --sizes 1,8,16,32,64
+    python benchmarks/scripts/verify_cost.py --dtype bfloat16 --lm-head --sizes 1,2,4,8,14
+    python benchmarks/scripts/verify_cost.py --device cuda --config FOLDER   # random weights of FOLDER's architecture
 
 Prints the median time of one target forward over `n` new tokens on top of a cached context; the ratio to n=1 is
 what a draft tree of that size costs in decode steps (speculation pays only when tau exceeds it plus drafting).

@@ -2,7 +2,7 @@
 
 Run with vLLM's python (`bash scripts/vllm_env.sh` builds `.venv-vllm`):
 
-    .venv-vllm/bin/python scripts/vllm_bench.py --target $(poss fetch-target) \
+    .venv-vllm/bin/python benchmarks/scripts/vllm_bench.py --target $(poss fetch-target) \
         --prompts ../shared/data/specbench/mt_bench.jsonl --limit 8 --max-tokens 128 --dtype bfloat16 --k 3
 
 Configurations (each in a fresh engine, a subprocess, which runs every `--concurrency` mode in turn): `plain` (no
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("plain", "poss2", "poss2-schedule", "spec0")
 EXPORT_OF = {"poss2": "poss2", "poss2-schedule": "poss2", "spec0": "spec0"}
 

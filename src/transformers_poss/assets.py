@@ -38,8 +38,8 @@ DEFAULT_DRAFTERS = {
 }
 # Kernel choices each shipped drafter loads with (`PosSDrafter.from_pretrained` options): both draft on 8-bit weight
 # copies. PosS-2 in bf16: README benchmark 2.08x -> 2.24x and 2.01x -> 2.08x in two interleaved runs on the AVX-512
-# BF16 CPU (docs/benchmarks/cpu-bf16-lean-rounds); in fp32 the products run in bf16 on the 8-bit copies, 3.7x cheaper
-# than fp32 ones on an AVX2 CPU (`kernels`, docs/benchmarks/cpu-fp32-avx2).
+# BF16 CPU (benchmarks/cpu-bf16-lean-rounds); in fp32 the products run in bf16 on the 8-bit copies, 3.7x cheaper
+# than fp32 ones on an AVX2 CPU (`kernels`, benchmarks/cpu-fp32-avx2).
 SHIPPED_KERNELS = {"poss2": {"int8_draft_weights": True}, "single": {"int8_draft_weights": True}}
 
 # ---- the default target ------------------------------------------------------------------------------------------

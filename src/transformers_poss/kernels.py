@@ -8,7 +8,7 @@ The kernel (`torch._weight_int8pack_mm`) is fast for 16-bit inputs only, so prod
 drafters) and return in the input's dtype: for an fp32 drafter that is bf16 arithmetic on 8-bit weights, which costs
 acceptance only (the target verifies every token). [4, 576] x [576, 16384] on the 2-core AVX-512 BF16 CPU, cold
 caches: fp32 dense 3.9 ms, int8 with fp32 inputs 13.5 ms, int8 with bf16 inputs 0.46 ms; with torch held to AVX2
-(`ATEN_CPU_CAPABILITY=avx2`, as an AVX2-only CPU computes) 4.0 / 13.1 / 1.16 ms (`docs/benchmarks/cpu-fp32-avx2`).
+(`ATEN_CPU_CAPABILITY=avx2`, as an AVX2-only CPU computes) 4.0 / 13.1 / 1.16 ms (`benchmarks/cpu-fp32-avx2`).
 """
 
 from __future__ import annotations

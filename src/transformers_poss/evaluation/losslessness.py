@@ -8,7 +8,7 @@ a multi-token verification can rank a near-tie the other way than plain decoding
 The reference is plain `generate`'s own computation (a prefill of the prompt, then one token per forward), not a
 single teacher-forced forward over the whole answer: that forward is a multi-token forward too, so it rounds
 differently from plain decoding and puts plain `generate`'s own tokens up to 0.375 logit below its argmax in bf16
-(docs/HISTORY.md, the `poss demo` section). Measured against plain decoding, plain `generate`'s own answer has a gap
+(benchmarks/HISTORY.md, the `poss demo` section). Measured against plain decoding, plain `generate`'s own answer has a gap
 of exactly 0 at every token, by construction.
 """
 
@@ -19,7 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 # Largest logit gap counted as rounding noise. bf16: the largest gap a multi-token forward put between plain
 # `generate`'s own token and its argmax (4- and 8-token forwards over a cache, and whole-answer forwards) on 12 answers
-# of the default target was 0.375 (`scripts/consistency_noise.py`); 0.5 leaves one bf16 rounding step of logits near
+# of the default target was 0.375 (`benchmarks/scripts/consistency_noise.py`); 0.5 leaves one bf16 rounding step of logits near
 # 20 above it. Where speculative answers parted, plain generate's margin was at most 0.25. fp32: such forwards differ by
 # at most 5e-5 in the logits.
 CONSISTENCY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.5}

@@ -20,7 +20,7 @@ def keeps_every_tree_row(model) -> bool:
     the head's weights dominates in 16-bit and on accelerators: SmolLM2-135M's 49,152 x 576 head took 6.6 ms for one
     row and 9.5 ms for 14 in bf16 on a 2-core AVX-512 BF16 CPU, so one pass wins from tau ~1.5. In fp32 on a CPU the
     rows cost more (11 ms for one, 24 ms for 14 there), and visiting wins below tau ~2.2, where CPU drafters are.
-    `python scripts/verify_cost.py --lm-head` measures both.
+    `python benchmarks/scripts/verify_cost.py --lm-head` measures both.
     """
     return model.device.type != "cpu" or model.dtype in (torch.bfloat16, torch.float16)
 
