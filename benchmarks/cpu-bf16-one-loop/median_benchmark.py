@@ -5,7 +5,7 @@ tokens/s, tau and each alpha_p, with the lowest and highest speedup.
     python benchmarks/cpu-bf16-one-loop/median_benchmark.py RUN_FOLDER ... > median.json   # other runs
     python benchmarks/cpu-bf16-one-loop/median_benchmark.py --drop fork- RUN_FOLDER ...     # without fork-* rows
 
-(with no folder: the seven runs below, each a folder under docs/benchmarks holding results.json or results.json.gz)
+(with no folder: the seven runs below, each a folder under benchmarks/ holding results.json or results.json.gz)
     poss card src/transformers_poss/drafters/poss2-smollm2-135m-instruct --method poss2 --force \
         --benchmark benchmarks/cpu-bf16-one-loop/median.json
 """
