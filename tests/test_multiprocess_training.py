@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import transformers_poss
-from test_training import SMOLLM2_TEMPLATE, make_tokenizer
+from test_training import SMOLLM2_TEMPLATE, fresh_accelerate, make_tokenizer  # noqa: F401 (a fixture)
 from tiny_models import tiny_target
 from transformers_poss.training import TrainingArguments
 from transformers_poss.training.cli import build_train_parser, run_train
@@ -29,17 +29,6 @@ LAUNCH_TIMEOUT_S = 600
 
 
 @pytest.fixture
-def fresh_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-@pytest.fixture
 def run_files(tmp_path):
     """A tiny target folder (model + word-level chat tokenizer) and 10 conversations (8 train, 2 validation)."""
     tokenizer = make_tokenizer(SMOLLM2_TEMPLATE)
@@ -47,7 +36,10 @@ def run_files(tmp_path):
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     generator = torch.Generator().manual_seed(0)
-    words = lambda prefix, n: " ".join(f"{prefix}{int(i)}" for i in torch.randint(0, 30, (n,), generator=generator))  # noqa: E731
+
+    def words(prefix: str, n: int) -> str:
+        return " ".join(f"{prefix}{int(i)}" for i in torch.randint(0, 30, (n,), generator=generator))
+
     records = [{"conversations": [{"from": "human", "value": words("u", 4 + i % 3)},
                                   {"from": "gpt", "value": words("a", 6 + i % 4)}]} for i in range(10)]
     data = tmp_path / "conversations.jsonl"
@@ -57,10 +49,11 @@ def run_files(tmp_path):
 
 def train_flags(files: Path, output: Path, batch_size: int, grad_accum: int) -> list[str]:
     """`poss train` flags: fp32, online features, noise on, 2 epochs; the drafter saved in fp32 to compare."""
-    return ["--target", str(files / "target"), "--target-dtype", "float32", "--data", str(files / "conversations.jsonl"),
-            "--output-dir", str(output), "--mixed-precision", "no", "--no-progress", "--num-specialists", "2",
-            "--positions-per-specialist", "1", "--epochs", "2", "--val-fraction", "0.2", "--save-steps", "0",
-            "--save-dtype", "float32", "--lr", "3e-3", "--log-steps", "1", "--batch-size", str(batch_size), "--grad-accum", str(grad_accum)]
+    return ["--target", str(files / "target"), "--target-dtype", "float32", "--data",
+            str(files / "conversations.jsonl"), "--output-dir", str(output), "--mixed-precision", "no",
+            "--no-progress", "--num-specialists", "2", "--positions-per-specialist", "1", "--epochs", "2",
+            "--val-fraction", "0.2", "--save-steps", "0", "--save-dtype", "float32", "--lr", "3e-3",
+            "--log-steps", "1", "--batch-size", str(batch_size), "--grad-accum", str(grad_accum)]
 
 
 def free_port() -> int:
@@ -126,6 +119,7 @@ def test_torchrun_two_cpu_processes_train_as_one_group(run_files, tmp_path, fres
             torch.testing.assert_close(group_weights[name], value, rtol=1e-4, atol=1e-5, msg=f"{weights}: {name}")
     validation = [r["feature_loss"] for r in logged if r["event"] == "validation"]
     assert validation[0] != pytest.approx(validation[1], rel=1e-3)  # the weights trained between the two
+
 
 def test_accelerate_launch_cpu_with_two_processes_is_refused(run_files, tmp_path):
     """`accelerate launch --cpu --num_processes 2` starts one process (its simple launcher; several CPU processes
