@@ -48,8 +48,12 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples; `--t
 
     # resume after an interruption (SIGTERM/Ctrl-C write a checkpoint first): the same command plus
     #   --resume latest        (or --resume runs/poss2/checkpoints/step-00001000)
-    # many GPUs / nodes, unchanged code:
-    accelerate launch --num_processes 8 examples/train_poss.py --target ... --features ... --output-dir ...
+    # several processes, unchanged flags (one group: rank 0 writes the folder, the record says "processes": N):
+    torchrun --nproc_per_node 8 examples/train_poss.py --target ... --features ... --output-dir ...   # 8 GPUs
+    accelerate launch --num_processes 8 examples/train_poss.py ...                                  # the same
+    torchrun --nproc_per_node 2 examples/train_poss.py ...    # no GPU: 2 CPU processes, one gloo group
+    # (`accelerate launch --cpu --num_processes N` starts one process; it is refused: use torchrun, or
+    #  `accelerate launch --multi_gpu --num_processes N`, which also forms a CPU group without GPUs)
 
 Precision. `--mixed-precision bf16` (default) and `--target-dtype bfloat16` suit GPUs and CPUs with AVX-512 BF16.
 On CPUs without it (e.g. AMD Zen 3: no avx512 flags in /proc/cpuinfo) bf16 matmuls are emulated and several times

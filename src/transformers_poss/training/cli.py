@@ -186,8 +186,9 @@ def _target_and_data(parser: argparse.ArgumentParser) -> None:
 def add_subcommand(subparsers) -> None:
     train = subparsers.add_parser(
         "train", help="train a PosS drafter (online or offline target features; resumable)",
-        description="Train a PosS drafter with the unrolled training-time-test objective. Multi-GPU: "
-                    "`accelerate launch -m transformers_poss.cli train ...` or examples/train_poss.py.")
+        description="Train a PosS drafter with the unrolled training-time-test objective. Several processes "
+                    "(GPUs, or CPUs as one gloo group): `torchrun --nproc_per_node N -m transformers_poss.cli "
+                    "train ...`, `accelerate launch -m transformers_poss.cli train ...` or examples/train_poss.py.")
     build_train_parser(train)
     train.set_defaults(func=run_train)
 

@@ -12,16 +12,14 @@ from .arguments import TrainingArguments
 from .data import ExampleDataset, build_examples, load_records, split_indices
 from .features import FeatureDataset, load_feature_folders, manifest_feature_layers
 from .initialization import build_drafter
-from .trainer import PosSTrainer
+from .trainer import PosSTrainer, build_accelerator
 
 
 def run_training(args: TrainingArguments) -> PosSDrafter:
     """Train a drafter as `args` say (resuming when `args.resume` asks) and save it in `args.output_dir`, with a
     model card once training has finished. Returns the trained drafter; its record is `drafter.training_record`."""
-    from accelerate import Accelerator
-
     args.check()
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum)
+    accelerator = build_accelerator(args)  # refuses a launch whose processes do not form one group
     target, tokenizer = load_target_and_tokenizer(args.target, args.tokenizer, args.target_dtype,
                                                   str(accelerator.device))
     data = prepare_datasets(args, tokenizer)

@@ -7,6 +7,13 @@ with the counters (epoch, batches done in the epoch, steps, tokens, wall time) b
 scheduler and RNG states. A resumed run skips the batches already done (`accelerator.skip_first_batches`) and then
 computes exactly what the uninterrupted run would have (same world size). SIGTERM/SIGINT (first one) make the trainer
 write a checkpoint at the next optimizer step and stop; a SIGKILL loses the steps since the last checkpoint.
+
+Several processes. `torchrun --nproc_per_node N` and `accelerate launch` with N processes train as one group
+(`build_accelerator`): on GPUs accelerate's own, on a machine without GPUs a CPU group (gloo), which accelerate forms
+only when asked. A launch whose processes would not form one group is refused before any work. The group's micro-batch
+`g` (process `p` at batch `b`: `g = b * N + p`) is batch `g` of one process, with the same noise: N processes with
+batch B train as one process with batch B and N-fold gradient accumulation. Rank 0 alone writes the output folder,
+except accelerate's `random_states_<rank>.pkl` of each process in a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +39,55 @@ TRAINER_STATE = "trainer_state.json"
 TRAIN_LOG_NAME = "train_log.jsonl"  # one JSON record per line: "train" windows and "validation" results
 
 
+# Where launchers put the number of processes they started: torchrun and `accelerate launch` (WORLD_SIZE), mpirun.
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_processes(environ=None) -> int:
+    """How many processes the launcher started (1 without one), from its environment variables."""
+    environ = os.environ if environ is None else environ
+    for name in WORLD_SIZE_VARIABLES:
+        if environ.get(name):
+            return int(environ[name])
+    return 1
+
+
+def _has_gpu() -> bool:
+    """Whether this machine has an accelerator device (CUDA, XPU, ...) for accelerate to group processes on."""
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+def build_accelerator(args: TrainingArguments, environ=None):
+    """The `accelerate.Accelerator` of a run: one process group for every launch. On GPUs accelerate forms it; on a
+    machine without GPUs the launched processes form a CPU group (gloo), which accelerate does only with `cpu=True`.
+
+    Raises `ValueError` before any work when the processes started do not form one group (N independent runs would
+    write one folder), or when `accelerate launch` was asked for several processes and started one (its
+    single-process launcher sets ACCELERATE_USE_CPU, and MASTER_ADDR only for several processes or machines)."""
+    from accelerate import Accelerator
+
+    environ = os.environ if environ is None else environ
+    launched = launched_processes(environ)
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum,
+                              cpu=launched > 1 and not _has_gpu())
+    if accelerator.num_processes != launched:
+        raise ValueError(
+            f"the launcher started {launched} processes but accelerate groups {accelerator.num_processes} "
+            f"({accelerator.distributed_type}): they would train as separate runs writing one folder; on a machine "
+            "without a supported accelerator set ACCELERATE_USE_CPU=true to train them as one CPU group")
+    launcher_counted = any(environ.get(name) for name in WORLD_SIZE_VARIABLES)
+    if not launcher_counted and "ACCELERATE_USE_CPU" in environ and "MASTER_ADDR" in environ:
+        raise ValueError(
+            "`accelerate launch` was asked for several processes (or machines) but started this one alone: "
+            "`accelerate launch --cpu`, or `--num_processes N` on fewer GPUs, starts one process per machine "
+            "(several only through mpirun, --mpirun_hostfile). Start N processes on this machine with `torchrun "
+            "--nproc_per_node N examples/train_poss.py ...` or `accelerate launch --multi_gpu --num_processes N "
+            "examples/train_poss.py ...`: on CPUs they train as one gloo group. (One process: unset MASTER_ADDR.)")
+    return accelerator
+
+
 class PosSTrainer:
     """Trains a bound drafter on a dataset of tokenized examples (online features) or feature items (offline).
 
@@ -40,20 +96,18 @@ class PosSTrainer:
         drafter: a `PosSDrafter` bound to its (frozen) target.
         train_dataset / val_dataset: torch datasets of items as `ExampleDataset` or `FeatureDataset` yield.
         data_record: description of the data, stored in `drafter.training_record["data"]`.
-        accelerator: an `accelerate.Accelerator` (built from `args` when None).
+        accelerator: an `accelerate.Accelerator` (`build_accelerator(args)` when None).
         init_record: how the drafter was initialised (`build_drafter`'s record), merged into its training record.
     """
 
     def __init__(self, args: TrainingArguments, drafter: PosSDrafter, train_dataset, val_dataset=None,
                  data_record: dict | None = None, accelerator=None, init_record: dict | None = None):
-        from accelerate import Accelerator
         from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
         if len(train_dataset) == 0:
             raise ValueError("no training examples")
         self.args = args
-        self.accelerator = accelerator or Accelerator(
-            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum)
+        self.accelerator = accelerator or build_accelerator(args)
         acc = self.accelerator
         target = drafter.bound_target
         if target is None:
@@ -109,10 +163,10 @@ class PosSTrainer:
                                                self.drafter.config.input_feature_layers)
         inputs = {"input_ids": batch["input_ids"], "features": features, "loss_mask": batch["loss_mask"],
                   "target_argmax": argmax, "input_features": None}
-        if noise and self.args.noise > 0:
+        if noise and self.args.noise > 0:  # seeded by the group's micro-batch (x 1024: as before for one process)
+            group_batch = batch_index * acc.num_processes + acc.process_index
             generator = torch.Generator(device=features.device)
-            generator.manual_seed(((self.state["seed"] * 1_000_003 + epoch) * 1_000_003 + batch_index) * 1024
-                                  + acc.process_index)
+            generator.manual_seed(((self.state["seed"] * 1_000_003 + epoch) * 1_000_003 + group_batch) * 1024)
             lengths = batch["attention_mask"].sum(-1)
             inputs["input_features"] = feature_noise(features, lengths, self.args.noise, generator)
         return inputs
@@ -122,7 +176,8 @@ class PosSTrainer:
         """Run (or continue) training; returns the training record (also `drafter.training_record`). Saves the
         drafter to `output_dir` at every epoch end and at the end."""
         args, acc = self.args, self.accelerator
-        os.makedirs(args.output_dir, exist_ok=True)
+        if acc.is_main_process:
+            os.makedirs(args.output_dir, exist_ok=True)
         self._install_signal_handlers()
         bar = None
         if args.progress and acc.is_main_process:
