@@ -495,6 +495,8 @@ def test_exact_resume(tmp_path, fresh_accelerate, shape):
     assert resumed.resume("auto") is None  # nothing in its own folder: a fresh start
     resumed.resume(str(checkpoint))
     assert resumed.state["global_step"] == 3 and resumed.state["epoch"] == 1 and resumed.state["batch_in_epoch"] == 2
+    assert [entry["step"] for entry in resumed.training_record()["resumed"]] == [3]  # the record says how it went on
+    assert full.training_record()["resumed"] == []
     resumed.train()
     resumed_losses = {h["step"]: h["loss"] for h in resumed.history}
     assert sorted(resumed_losses) == [4, 5, 6]

@@ -375,6 +375,7 @@ class PosSTrainer:
             "tokens": self.state["tokens"],
             "trained_positions": self.state["loss_tokens"],
             "wall_time_s": round(self._wall_time(), 1),
+            "resumed": self.state.get("resumed", []),
             "validation_position_accuracy": validation["position_accuracy"] if validation else None,
             "validation": validation,
             **self.init_record,
@@ -435,6 +436,9 @@ class PosSTrainer:
         self.accelerator.load_state(checkpoint)
         with open(state_path) as handle:
             self.state = json.load(handle)["state"]
+        self.state.setdefault("resumed", []).append(  # how the run went on: the record's "resumed"
+            {"step": self.state["global_step"], "checkpoint": os.path.abspath(checkpoint),
+             "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         self.sampler.seed = self.state["seed"]  # batch order and noise follow the interrupted run's seed
         self._session_start = time.time()
         return checkpoint
