@@ -189,6 +189,19 @@ def advance(steps, answer: str | None):
         return None, stop.value
 
 
+def open_output(path: str):
+    """`path` opened for appending records. A last line cut short by an interruption is ended first, so that the next
+    record starts a line of its own (the cut line is skipped on reading, as `done_ids` does)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    out = open(path, "a", encoding="utf-8")
+    if out.tell():
+        with open(path, "rb") as handle:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                out.write("\n")
+    return out
+
+
 def sharegpt_record(rid: str, messages: list[dict]) -> str:
     """One output line: `{"id", "conversations": [ShareGPT turns]}` (no newline)."""
     turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
@@ -232,9 +245,8 @@ def self_distill(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(todo), desc="self-distillation", unit="conv")
-    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     try:
-        with open(output_path, "a", encoding="utf-8") as out:
+        with open_output(output_path) as out:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start: start + batch_size]
                 steps = [answer_steps(turns, tokenizer, max_prompt_length, max_turns) for _, turns in chunk]
