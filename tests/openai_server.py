@@ -22,7 +22,8 @@ class FakeOpenAIServer:
     Args:
         model: the served model's name.
         token_ids: take prompts as token ids and return answers' `token_ids` when asked (vLLM); else text prompts
-            only, tokenized with the tokenizer's special tokens, and unknown request fields refused (transformers serve).
+            only, tokenized with the tokenizer's special tokens, and unknown request fields refused (as transformers
+            serve does).
         tokenize: offer `POST /tokenize` (vLLM).
         vocab_size: token ids at or above it are refused (default: the tokenizer's or the target's, the smaller).
         fail: `fail(prompt_text, attempt) -> HTTP status or None`, asked for every answering request (`max_tokens`

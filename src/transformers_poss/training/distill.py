@@ -10,6 +10,7 @@ earlier answers. Records with nothing to answer are skipped and counted by reaso
 Conversations are processed in chunks of `batch_size`; inside a chunk, answer `k` of every conversation is generated
 in one left-padded batch. Each finished chunk is appended to a JSON-lines file (`{"id", "conversations": [ShareGPT
 turns]}`) and flushed, so an interrupted run resumes after the last written chunk (records are matched by id).
+`distill_server` answers the same records through an OpenAI-compatible server (`answer_steps`, `plan_distillation`).
 """
 
 from __future__ import annotations

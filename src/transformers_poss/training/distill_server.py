@@ -261,9 +261,9 @@ def _probe(client: OpenAIClient, model: str, tokenizer, prompt: str, ids: list[i
         served.checks.append(f"probe: prompts as text (token ids refused: {refusals[0]}); the server reports no "
                              "prompt token count, the tokenization is not checked")
     elif counted != len(ids):
-        raise ServerError(f"{model!r} at {client.url} reads the first prompt as {counted} tokens, the target's tokenizer "
-                          f"as {len(ids)}: another tokenizer, or special tokens added to a text prompt (such a server "
-                          "cannot give the target's answers; serve it with vLLM, which takes token ids)")
+        raise ServerError(f"{model!r} at {client.url} reads the first prompt as {counted} tokens, the target's "
+                          f"tokenizer as {len(ids)}: another tokenizer, or special tokens added to a text prompt "
+                          "(such a server cannot give the target's answers; serve it with vLLM, which takes token ids)")
     else:
         served.checks.append(f"probe: prompts as text (token ids refused: {refusals[0]}), read as the target "
                              f"tokenizer's {counted} tokens")
