@@ -30,17 +30,18 @@ class FakeOpenAIServer:
             > 1; `attempt` counts that prompt's requests from 1): a status answers the request with that error.
         delay: seconds each answering request waits before generating (so that concurrent requests overlap).
         api: "openai", or "other" (404 everywhere) / "html" (200 with an HTML page everywhere).
+        api_key: when given, requests without `Authorization: Bearer <api_key>` are answered 401.
 
     `completions` lists the answered prompts (token ids) in order, `max_in_flight` the most requests at once.
     """
 
     def __init__(self, target, tokenizer, model: str = "tiny-target", token_ids: bool = True, tokenize: bool = True,
                  vocab_size: int | None = None, fail=None, delay: float = 0.0, api: str = "openai",
-                 max_model_len: int = 4096):
+                 max_model_len: int = 4096, api_key: str | None = None):
         self.target, self.tokenizer, self.model = target, tokenizer, model
         self.token_ids, self.tokenize, self.fail, self.delay, self.api = token_ids, tokenize, fail, delay, api
         self.vocab_size = min(len(tokenizer), target.config.vocab_size) if vocab_size is None else vocab_size
-        self.max_model_len = max_model_len
+        self.max_model_len, self.api_key = max_model_len, api_key
         self.completions: list[list[int]] = []
         self.attempts: dict[str, int] = {}
         self.in_flight = self.max_in_flight = 0
@@ -79,6 +80,8 @@ class FakeOpenAIServer:
             return _send(handler, 404, b"<html><body>Not Found</body></html>", "text/html")
         if self.api == "html":
             return _send(handler, 200, b"<html><body>Welcome</body></html>", "text/html")
+        if self.api_key and handler.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return _error(handler, 401, "Unauthorized")
         path = handler.path.split("?")[0]
         body = None
         if method == "POST":

@@ -206,6 +206,17 @@ def test_servers_that_cannot_answer_for_the_target_are_refused_before_any_work(t
     assert not out.exists()
 
 
+def test_a_server_with_an_api_key_needs_it(tiny_pair, tmp_path):
+    target, tokenizer = tiny_pair
+    records = [{"id": "0", "conversations": [{"from": "human", "value": "u1"}]}]
+    with FakeOpenAIServer(target, tokenizer, api_key="secret") as server:
+        with pytest.raises(ServerError, match=r"refused the request \(HTTP 401: Unauthorized\).*\(--api-key\)"):
+            server_distill(tokenizer, records, str(tmp_path / "out.jsonl"), server.url, progress=False)
+        stats = server_distill(tokenizer, records, str(tmp_path / "out.jsonl"), server.url, api_key="secret",
+                               max_new_tokens=2, progress=False)
+    assert stats["written"] == 1
+
+
 def test_no_usable_record_is_refused_before_the_server_is_contacted(tiny_pair, tmp_path):
     _, tokenizer = tiny_pair
     with pytest.raises(NoUsableRecordsError, match="none of the 1 records.*1 no_user_turn"):

@@ -178,6 +178,9 @@ def connect(url: str, tokenizer, prompt: str, ids: list[int], model: str | None 
         if error.reason in ("no connection", "timed out"):
             raise ServerError(f"cannot reach a server at {client.url} ({error}). Start the server first (e.g. `vllm "
                               "serve MODEL`) and pass its OpenAI base URL, http://HOST:PORT/v1") from None
+        if error.reason in ("HTTP 401", "HTTP 403"):
+            raise ServerError(f"{client.url} refused the request ({error}): a server started with an API key needs "
+                              "it (--api-key)") from None
         raise ServerError(f"{client.url} does not speak the OpenAI API: GET {client.url}/models answered {error}") \
             from None
     served = listing.get("data")
@@ -370,7 +373,7 @@ def server_distill(
                     bar.update(1)
     finally:
         stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=False, cancel_futures=True)  # requests in flight after an error are not waited for
         if bar is not None:
             bar.close()
     stats["failed"], stats["failed_by_reason"] = sum(failed.values()), dict(failed)
