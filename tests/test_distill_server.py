@@ -241,6 +241,8 @@ def test_command_line_through_a_server(tiny_pair, local_answers, tmp_path, capsy
         assert read_jsonl(out) == local_answers[0]
         with pytest.raises(SystemExit, match="--drafter speeds up the local target"):
             main([*common, "--server", server.url, "--output", str(tmp_path / "x.jsonl"), "--drafter", "default"])
+    with pytest.raises(SystemExit, match="--concurrency must be >= 1"):
+        main([*common, "--server", closed_port_url(), "--output", str(tmp_path / "x.jsonl"), "--concurrency", "0"])
     with pytest.raises(SystemExit, match="poss distill: error: --server: cannot reach a server"):
         main([*common, "--server", closed_port_url(), "--output", str(tmp_path / "down.jsonl")])
     refuse_p3 = lambda prompt, attempt: 400 if "u7 u8 u9" in prompt else None  # noqa: E731

@@ -145,6 +145,8 @@ def _distill_through_server(namespace: argparse.Namespace, records: list) -> int
     if namespace.drafter:
         raise SystemExit("poss distill: error: --drafter speeds up the local target's generate; with --server the "
                          "server generates (serve the drafter there, e.g. vLLM's --speculative-config)")
+    if namespace.concurrency < 1 or namespace.retries < 0 or not namespace.request_timeout > 0:
+        raise SystemExit("poss distill: error: --concurrency must be >= 1, --retries >= 0 and --request-timeout > 0")
     try:
         tokenizer = load_target_tokenizer(namespace.tokenizer or namespace.target)
     except (OSError, ValueError) as error:

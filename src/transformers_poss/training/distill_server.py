@@ -287,8 +287,8 @@ def server_distill(
     before contacting the server when no record is usable, `ServerError` before sending any record when the server
     cannot answer for the target (`connect`).
     """
-    if concurrency < 1 or max_new_tokens < 1 or retries < 0 or (max_turns is not None and max_turns < 1):
-        raise ValueError("concurrency, max_new_tokens and max_turns must be >= 1, retries >= 0")
+    if min(concurrency, max_new_tokens, 1 if max_turns is None else max_turns) < 1 or retries < 0 or not timeout > 0:
+        raise ValueError("concurrency, max_new_tokens and max_turns must be >= 1, retries >= 0, timeout > 0")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
     todo, stats = plan_distillation(records, tokenizer, output_path, max_prompt_length)
