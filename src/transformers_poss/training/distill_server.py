@@ -283,7 +283,9 @@ def server_distill(
     `output_path` (resumable). `tokenizer` is the target's; `temperature` 0 is greedy.
 
     Returns `self_distill`'s counts plus `failed`, `failed_by_reason`, `not_attempted` and `server` (url, model, how
-    prompts are sent, `checks`); `stopped` says why the run stopped early, if it did. Raises `NoUsableRecordsError`
+    prompts are sent, `checks`); `stopped` says why the run stopped early, if it did. `generated_tokens` counts the
+    answers' token ids as `self_distill` does (padding and end-of-turn ids excluded) or, from a server that returns no
+    ids, the server's `usage.completion_tokens`. Raises `NoUsableRecordsError`
     before contacting the server when no record is usable, `ServerError` before sending any record when the server
     cannot answer for the target (`connect`).
     """
