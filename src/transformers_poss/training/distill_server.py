@@ -149,9 +149,9 @@ class ServedTarget:
     return_token_ids: bool  # answers come back as token ids too
     checks: list[str] = field(default_factory=list)
 
-    def complete(self, prompt: str, ids: list[int], max_tokens: int, temperature: float) -> tuple[list | None, str,
-                                                                                                    int | None]:
-        """(answer token ids or None, answer text, the server's count of answer tokens or None) of one prompt."""
+    def complete(self, prompt: str, ids: list[int], max_tokens: int, temperature: float) -> tuple:
+        """`(answer token ids or None, answer text, the server's count of answer tokens or None)` of one prompt
+        (`prompt` rendered by the chat template, `ids` its token ids). Raises `RequestFailed`."""
         body = {"model": self.model, "prompt": ids if self.token_ids else prompt, "max_tokens": max_tokens,
                 "temperature": temperature}
         if self.return_token_ids:
