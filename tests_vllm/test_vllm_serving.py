@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -20,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEPTHS, HERE, ROOT, run
+from conftest import DEPTHS, HERE, http_get, run, vllm_serve
 
 TOLERANCE = 0.05
 
@@ -72,51 +68,23 @@ def test_specialists_past_k_never_run(vllm_runs, k, running):
     assert [count > 0 for count in calls] == running
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read().decode()
-
-
 def test_vllm_serve_answers_a_chat_request_and_reports_acceptance(exports, tmp_path):
     """`vllm serve EXPORT` (the target is the export's verifier) on the loopback: one OpenAI-style chat request,
     then acceptance from /metrics, and the export's batch-size schedule in the log; the server is stopped whatever
     happens (bounded waits)."""
-    port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
-    command = [str(Path(sys.executable).parent / "vllm"), "serve", str(exports / "poss2"), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-               "--speculative-config", json.dumps({"num_speculative_tokens": 3})]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                              start_new_session=True)
-    try:
-        deadline = time.monotonic() + 420
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"vllm serve exited {server.returncode}:\n{(tmp_path / 'serve.log').read_text()[-4000:]}")
-            try:
-                _get(f"http://127.0.0.1:{port}/health")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail("vllm serve did not come up in 420 s")
-                time.sleep(2)
-        model = json.loads(_get(f"http://127.0.0.1:{port}/v1/models"))["data"][0]["id"]
+    log = tmp_path / "serve.log"
+    with vllm_serve(str(exports / "poss2"), log, "--max-model-len", "2048", "--speculative-config",
+                    json.dumps({"num_speculative_tokens": 3})) as url:
+        model = json.loads(http_get(f"{url}/v1/models"))["data"][0]["id"]
         body = json.dumps({"model": model, "temperature": 0, "max_tokens": 64,
                            "messages": [{"role": "user", "content": "Write a haiku about the sea."}]}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+        request = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read().decode())
         text = answer["choices"][0]["message"]["content"]
         assert text.strip(), answer
-        metrics = _get(f"http://127.0.0.1:{port}/metrics")
+        metrics = http_get(f"{url}/metrics")
         drafts, per_pos = 0.0, {}
         for line in metrics.splitlines():
             if line.startswith("vllm:spec_decode_num_drafts_total"):
@@ -130,18 +98,7 @@ def test_vllm_serve_answers_a_chat_request_and_reports_acceptance(exports, tmp_p
               f"alpha {[round(a, 3) for a in alpha]}")
         assert drafts > 0 and len(counts) == 3, metrics[-2000:]
         # the export's batch-size schedule, applied by the plugin (one request: within it, so it drafted)
-        assert "num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 3, 0]]" in (tmp_path / "serve.log").read_text()
-    finally:
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(server.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            server.wait(timeout=30)
-        log.close()
+        assert "num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 3, 0]]" in log.read_text()
 
 
 def _serve(target: str, drafter: Path, prompts: Path, prelude: str = "", env: dict | None = None):

@@ -234,6 +234,16 @@ def load_target(name: str, dtype: torch.dtype, device: str | None = None):
     return load_causal_lm(name, dtype=dtype, device=device)
 
 
+def load_target_tokenizer(name: str):
+    """The tokenizer `load_target(name, ...)` would return, without loading the weights."""
+    from transformers import AutoTokenizer
+
+    path = convert_default_target() if name == "default" else Path(name).expanduser()
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_default_target(dtype: torch.dtype | None = None, cache_dir=None, device: str | None = None):
     """SmolLM2-135M-Instruct as `(model, tokenizer)`, converted on first use (download + about a minute).
 

@@ -6,6 +6,7 @@ Modules, in the order a run uses them:
     data            ShareGPT/`datasets` loading (also the truncated ShareGPT V3 JSON), chat template + assistant loss
                     mask, the train/validation split, batching.
     distill         self-distillation: the target regenerates assistant turns (batched, resumable jsonl).
+    distill_server  the same records answered by an OpenAI-compatible server (`poss distill --server`).
     features        target features online (frozen target) or extracted once to disk (memory-mapped `datasets`).
     initialization  `build_drafter`: a fresh drafter, warm-started (`--init-from`), its draft vocabulary from token
                     counts of the training data (or grown from the source's).
@@ -25,6 +26,9 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples; `--t
     # 1. (optional) self-distillation: the target answers the prompts itself; rerun the same command to resume
     poss distill --target models/smollm2 --data $DATA --output data/sharegpt_smollm2.jsonl \
         --batch-size 32 --max-new-tokens 512
+    # or through a server of the target (vllm serve models/smollm2 --dtype float32), many requests at a time:
+    #   poss distill --target models/smollm2 --server http://127.0.0.1:8000/v1 --data $DATA --output ... \
+    #       --concurrency 32
     # then use --data data/sharegpt_smollm2.jsonl below; with a short training --max-length add --max-turns 1:
     # later turns would be truncated away, and each one re-reads the whole conversation so far
 

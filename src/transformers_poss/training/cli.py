@@ -110,8 +110,10 @@ def run_distill(namespace: argparse.Namespace) -> int:
 
     records = _records(namespace, "distill")
     usable, skipped = check_records(records)
-    if not usable:  # refuse unusable data before loading any model
+    if not usable:  # refuse unusable data before loading any model or contacting a server
         raise SystemExit(f"poss distill: error: {namespace.data}: {no_usable_records_message(len(records), skipped)}")
+    if namespace.server:
+        return _distill_through_server(namespace, records)
     drafter = None
     if namespace.drafter:
         from ..assets import DEFAULT_DRAFTERS, default_drafter_path
@@ -132,6 +134,39 @@ def run_distill(namespace: argparse.Namespace) -> int:
     except NoUsableRecordsError as error:  # every usable record's prompt is longer than --max-prompt-length
         raise SystemExit(f"poss distill: error: {namespace.data}: {error}") from None
     print(json.dumps(stats, indent=2))
+    return 0
+
+
+def _distill_through_server(namespace: argparse.Namespace, records: list) -> int:
+    """`poss distill --server URL`: the target's tokenizer here, its answers from the server."""
+    from ..assets import load_target_tokenizer
+    from .distill import NoUsableRecordsError
+    from .distill_server import ServerError, describe_failures, server_distill
+
+    if namespace.drafter:
+        raise SystemExit("poss distill: error: --drafter speeds up the local target's generate; with --server the "
+                         "server generates (serve the drafter there, e.g. vLLM's --speculative-config)")
+    if namespace.concurrency < 1 or namespace.retries < 0 or not namespace.request_timeout > 0:
+        raise SystemExit("poss distill: error: --concurrency must be >= 1, --retries >= 0 and --request-timeout > 0")
+    try:
+        tokenizer = load_target_tokenizer(namespace.tokenizer or namespace.target)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"poss distill: error: cannot load the tokenizer of {namespace.tokenizer or namespace.target}"
+                         f": {error}") from None
+    try:
+        stats = server_distill(tokenizer, records, namespace.output, namespace.server, model=namespace.model,
+                               concurrency=namespace.concurrency, max_new_tokens=namespace.max_new_tokens,
+                               max_prompt_length=namespace.max_prompt_length, temperature=namespace.temperature,
+                               max_turns=namespace.max_turns, retries=namespace.retries,
+                               timeout=namespace.request_timeout, api_key=namespace.api_key)
+    except NoUsableRecordsError as error:
+        raise SystemExit(f"poss distill: error: {namespace.data}: {error}") from None
+    except ServerError as error:
+        raise SystemExit(f"poss distill: error: --server: {error}") from None
+    print(json.dumps(stats, indent=2))
+    unwritten = describe_failures(stats)
+    if unwritten:
+        raise SystemExit(f"poss distill: error: {unwritten}")
     return 0
 
 
@@ -208,7 +243,7 @@ def add_subcommand(subparsers) -> None:
                     "regenerated and the user turns after the last one answered in order, so a prompts file "
                     '([{"conversations": [{"from": "human", "value": "..."}]}, ...]; or OpenAI-style "messages") '
                     "gets answered. Records with nothing to answer are counted by reason; when none is usable the "
-                    "command fails before loading the target.")
+                    "command fails before loading the target. With --server a serving engine answers (below).")
     _target_and_data(distill)
     distill.add_argument("--max-new-tokens", type=int, default=512)
     distill.add_argument("--max-prompt-length", type=int, default=2048)
@@ -219,6 +254,21 @@ def add_subcommand(subparsers) -> None:
     distill.add_argument("--drafter", default=None,
                          help="a PosS drafter folder ('default', 'poss2', 'single': the shipped ones) that "
                               "generates every batch speculatively (tree mode; the same answers)")
+    server = distill.add_argument_group(
+        "answers from a server", "with --server, an OpenAI-compatible server that serves the target answers (vllm "
+        "serve, transformers serve, ...): prompts are rendered with the target's tokenizer and chat template and sent "
+        "to /v1/completions as token ids; only the target's tokenizer is loaded here (--target-dtype, --device, "
+        "--batch-size and --drafter do not apply). The server is checked first (its model list, its tokenizer where "
+        "it exposes one, a one-token probe); failed requests are retried, then counted, and the command exits "
+        "non-zero: rerun it to retry them")
+    server.add_argument("--server", default=None, metavar="URL", help="the server's OpenAI base URL, "
+                        "http://HOST:PORT/v1")
+    server.add_argument("--model", default=None, help="the served model's name (default: the only one in /v1/models)")
+    server.add_argument("--concurrency", type=int, default=16, help="conversations in flight at a time (default: 16)")
+    server.add_argument("--retries", type=int, default=4,
+                        help="retries of a failed request, 1, 2, 4, ... s apart (default: 4)")
+    server.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    server.add_argument("--api-key", default=None, help="sent as a bearer token (a server started with --api-key)")
     distill.set_defaults(func=run_distill)
 
     plot = subparsers.add_parser(

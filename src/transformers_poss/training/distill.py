@@ -10,6 +10,7 @@ earlier answers. Records with nothing to answer are skipped and counted by reaso
 Conversations are processed in chunks of `batch_size`; inside a chunk, answer `k` of every conversation is generated
 in one left-padded batch. Each finished chunk is appended to a JSON-lines file (`{"id", "conversations": [ShareGPT
 turns]}`) and flushed, so an interrupted run resumes after the last written chunk (records are matched by id).
+`distill_server` answers the same records through an OpenAI-compatible server (`answer_steps`, `plan_distillation`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,94 @@ def _prompt_length(tokenizer, messages: list[dict]) -> int:
     return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
+def plan_distillation(records: Iterable, tokenizer, output_path: str, max_prompt_length: int):
+    """(records to answer as `[(id, distillation_turns)]`, stats) for a run that appends to `output_path`.
+
+    Records already in `output_path` are left out (`skipped_done`), unusable ones and those whose first prompt is
+    longer than `max_prompt_length` tokens counted by reason (`skipped_by_reason`, logged). `stats` starts the counts
+    `self_distill` returns. Raises `NoUsableRecordsError` when no record is usable and none was written before.
+    """
+    records = list(records)
+    finished = done_ids(output_path)
+    todo, skipped, already_done = [], Counter(), 0
+    for index, record in enumerate(records):
+        rid = _record_id(record, index)
+        if rid in finished:
+            already_done += 1
+            continue
+        try:
+            turns = distillation_turns(record)
+        except ConversationFormatError as error:
+            skipped[error.reason] += 1
+            continue
+        if _prompt_length(tokenizer, turns[: _first_assistant(turns)]) > max_prompt_length:
+            skipped["prompt_too_long"] += 1
+            continue
+        todo.append((rid, turns))
+    skipped = dict(skipped)
+    if not todo and not already_done:
+        raise NoUsableRecordsError(no_usable_records_message(len(records), skipped))
+    if skipped:
+        logger.warning("self-distillation: skipped %d of %d records: %s", sum(skipped.values()), len(records),
+                       describe_skipped(skipped))
+    stats = {"records": len(records), "written": 0, "answers": 0, "skipped_done": already_done,
+             "skipped_invalid": sum(skipped.values()), "skipped_by_reason": skipped, "generated_tokens": 0}
+    return todo, stats
+
+
+def answer_steps(turns: list[dict], tokenizer, max_prompt_length: int, max_turns: int | None = None):
+    """One conversation answered turn by turn, as a generator: it yields `(prompt text, prompt ids)` for each answer
+    to generate (the chat template applied to the messages so far, the target's own earlier answers included) and
+    is sent that answer's text; it returns the messages up to the last answer.
+
+    A prompt longer than `max_prompt_length` tokens ends the conversation before it (the answers so far stay), and
+    so does the `max_turns`-th answer.
+    """
+    done, rest = [], list(turns)
+    while rest:
+        while rest and rest[0]["role"] != "assistant":  # copy system/user turns up to the next answer
+            done.append(rest.pop(0))
+        if not rest:
+            break
+        rest.pop(0)  # the original answer, replaced below
+        prompt = tokenizer.apply_chat_template(done, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_length:
+            break
+        answer = yield prompt, ids
+        done.append({"role": "assistant", "content": answer})
+        if max_turns is not None and sum(m["role"] == "assistant" for m in done) >= max_turns:
+            break
+    return done[: _last_assistant(done) + 1]
+
+
+def advance(steps, answer: str | None):
+    """Send `answer` (None to start) to an `answer_steps` generator: `(next prompt, None)` or `(None, messages)`."""
+    try:
+        return steps.send(answer), None
+    except StopIteration as stop:
+        return None, stop.value
+
+
+def open_output(path: str):
+    """`path` opened for appending records. A last line cut short by an interruption is ended first, so that the next
+    record starts a line of its own (the cut line is skipped on reading, as `done_ids` does)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    out = open(path, "a", encoding="utf-8")
+    if out.tell():
+        with open(path, "rb") as handle:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                out.write("\n")
+    return out
+
+
+def sharegpt_record(rid: str, messages: list[dict]) -> str:
+    """One output line: `{"id", "conversations": [ShareGPT turns]}` (no newline)."""
+    turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
+    return json.dumps({"id": rid, "conversations": turns}, ensure_ascii=False)
+
+
 @torch.no_grad()
 def self_distill(
     target, tokenizer, records: Iterable[dict], output_path: str, batch_size: int = 16, max_new_tokens: int = 512,
@@ -146,31 +235,7 @@ def self_distill(
         raise ValueError("batch_size, max_new_tokens and max_turns must be >= 1")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
-    records = list(records)
-    finished = done_ids(output_path)
-    todo, skipped, already_done = [], Counter(), 0
-    for index, record in enumerate(records):
-        rid = _record_id(record, index)
-        if rid in finished:
-            already_done += 1
-            continue
-        try:
-            turns = distillation_turns(record)
-        except ConversationFormatError as error:
-            skipped[error.reason] += 1
-            continue
-        if _prompt_length(tokenizer, turns[: _first_assistant(turns)]) > max_prompt_length:
-            skipped["prompt_too_long"] += 1
-            continue
-        todo.append((rid, turns))
-    skipped = dict(skipped)
-    if not todo and not already_done:
-        raise NoUsableRecordsError(no_usable_records_message(len(records), skipped))
-    if skipped:
-        logger.warning("self-distillation: skipped %d of %d records: %s", sum(skipped.values()), len(records),
-                       describe_skipped(skipped))
-    stats = {"records": len(records), "written": 0, "answers": 0, "skipped_done": already_done,
-             "skipped_invalid": sum(skipped.values()), "skipped_by_reason": skipped, "generated_tokens": 0}
+    todo, stats = plan_distillation(records, tokenizer, output_path, max_prompt_length)
     device = next(target.parameters()).device
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -181,20 +246,20 @@ def self_distill(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(todo), desc="self-distillation", unit="conv")
-    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     try:
-        with open(output_path, "a", encoding="utf-8") as out:
+        with open_output(output_path) as out:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start: start + batch_size]
-                results = _regenerate_chunk(target, tokenizer, [m for _, m in chunk], device, max_new_tokens,
-                                            max_prompt_length, do_sample, temperature, stats, max_turns, drafter)
+                steps = [answer_steps(turns, tokenizer, max_prompt_length, max_turns) for _, turns in chunk]
+                results = _regenerate_chunk(target, tokenizer, steps, device, max_new_tokens, do_sample, temperature,
+                                            stats, drafter)
                 for (rid, _), messages in zip(chunk, results):
                     if not messages:  # cannot happen after the prompt check above; never write an empty record
                         stats["skipped_invalid"] += 1
+                        skipped = stats["skipped_by_reason"]
                         skipped["prompt_too_long"] = skipped.get("prompt_too_long", 0) + 1
                         continue
-                    turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
-                    out.write(json.dumps({"id": rid, "conversations": turns}, ensure_ascii=False) + "\n")
+                    out.write(sharegpt_record(rid, messages) + "\n")
                     stats["written"] += 1
                 out.flush()
                 if bar is not None:
@@ -206,32 +271,19 @@ def self_distill(
     return stats
 
 
-def _regenerate_chunk(target, tokenizer, conversations, device, max_new_tokens, max_prompt_length, do_sample,
-                      temperature, stats, max_turns=None, drafter=None) -> list[list[dict]]:
-    """Generate every assistant turn of a few conversations (`distillation_turns`), turn index by turn index, in
-    batches."""
-    # Work list per conversation: its messages up to now (assistant turns generated), the remainder.
-    done = [[] for _ in conversations]
-    rest = [list(m) for m in conversations]
-    active = list(range(len(conversations)))
-    while active:
-        prompts, owners = [], []
-        for i in active:
-            while rest[i] and rest[i][0]["role"] != "assistant":  # copy system/user turns up to the next answer
-                done[i].append(rest[i].pop(0))
-            if not rest[i]:
-                continue
-            rest[i].pop(0)  # the original answer, replaced below
-            prompt = tokenizer.apply_chat_template(done[i], tokenize=False, add_generation_prompt=True)
-            if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_length:
-                rest[i] = []
-                done[i] = done[i][: _last_assistant(done[i]) + 1]
-                continue
-            prompts.append(prompt)
-            owners.append(i)
-        if not prompts:
-            break
-        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+def _regenerate_chunk(target, tokenizer, steps, device, max_new_tokens, do_sample, temperature, stats,
+                      drafter=None) -> list[list[dict]]:
+    """Run a few conversations' `answer_steps` together: answer `k` of every conversation in one left-padded batch."""
+    results = [None] * len(steps)
+    prompts = {}
+    for i, conversation in enumerate(steps):
+        prompt, results[i] = advance(conversation, None)
+        if prompt is not None:
+            prompts[i] = prompt[0]
+    while prompts:
+        owners = list(prompts)
+        batch = tokenizer([prompts[i] for i in owners], return_tensors="pt", padding=True,
+                          add_special_tokens=False).to(device)
         kwargs = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "assistant_model": drafter}
         if do_sample:
             kwargs["temperature"] = temperature
@@ -240,12 +292,13 @@ def _regenerate_chunk(target, tokenizer, conversations, device, max_new_tokens, 
         for row, i in enumerate(owners):
             text = tokenizer.decode(new_tokens[row], skip_special_tokens=True).strip()
             stats["generated_tokens"] += int((new_tokens[row] != tokenizer.pad_token_id).sum())
-            done[i].append({"role": "assistant", "content": text})
             stats["answers"] += 1
-            if max_turns is not None and sum(m["role"] == "assistant" for m in done[i]) >= max_turns:
-                rest[i] = []
-        active = [i for i in owners if rest[i]]
-    return [d[: _last_assistant(d) + 1] for d in done]
+            prompt, results[i] = advance(steps[i], text)
+            if prompt is None:
+                del prompts[i]
+            else:
+                prompts[i] = prompt[0]
+    return results
 
 
 def _first_assistant(messages: list[dict]) -> int:
