@@ -65,15 +65,21 @@ def load_split(folder, device_map, max_memory=None):
     return load_causal_lm(folder, torch.float32, device_map=device_map, max_memory=max_memory)[0]
 
 
-@pytest.mark.parametrize("device_map,max_memory", [("auto", BUDGET), (json.dumps(MAP), None), ('{"": "disk"}', None)],
-                         ids=["auto-budget", "map", "all-disk"])
-def test_split_target_gives_the_features_of_the_whole_one(target_folder, tmp_path, device_map, max_memory):
+@pytest.mark.parametrize("tie,device_map,max_memory", [
+    (False, "auto", BUDGET), (True, "auto", "cpu=350KB,disk=1GB"), (False, json.dumps(MAP), None),
+    (False, '{"": "disk"}', None)], ids=["auto-budget", "tied-auto-budget", "map", "all-disk"])
+def test_split_target_gives_the_features_of_the_whole_one(target_folder, tmp_path, tie, device_map, max_memory):
+    """Also for a target whose lm_head is its embedding (the budget counts that weight once)."""
+    if tie:
+        target_folder = save_target(tmp_path / "tied", tie=True)
     device_map, max_memory = parse_placement(device_map, max_memory)
     whole = load_causal_lm(target_folder, torch.float32)[0]
     split = load_split(target_folder, device_map, max_memory)
     placed = set(split.hf_device_map.values())
     assert "disk" in placed and (device_map == {"": "disk"} or "cpu" in placed), split.hf_device_map
-    assert split.lm_head.weight.device.type == "meta"  # offloaded: read from the checkpoint at each call
+    offloaded = {name for name, weight in split.named_parameters() if weight.device.type == "meta"}
+    assert ("lm_head.weight" in offloaded) != tie  # offloaded weights are read from the checkpoint at each call
+    assert "model.layers.3.mlp.up_proj.weight" in offloaded
     examples = random_examples()
     for name, model in (("whole", whole), ("split", split)):
         extract_features(model, examples, str(tmp_path / name), batch_size=2, metadata={"data": "x"},
@@ -161,7 +167,9 @@ def test_online_training_with_a_split_target_trains_as_with_the_whole_one(tmp_pa
         whole.training_record["validation_position_accuracy"])
 
 
-def test_features_command_splits_the_target(target_folder, tmp_path, capsys):
+def test_features_and_train_commands_split_the_target(target_folder, tmp_path, fresh_accelerate):
+    """`poss features` with a split target stores the features of the whole one; `poss train` on them with the
+    target all on disk reads only its embedding and lm_head (made resident)."""
     from transformers_poss.cli import main
 
     records = [{"conversations": [{"from": "human", "value": f"hi {i}"}, {"from": "gpt", "value": f"ok {i} then"}]}
@@ -176,6 +184,11 @@ def test_features_command_splits_the_target(target_folder, tmp_path, capsys):
     for i in range(3):
         torch.testing.assert_close(features[i]["features"].float(), reference[i]["features"].float(),
                                    rtol=1e-2, atol=1e-2)
+    assert main(["train", "--target", str(target_folder), "--target-dtype", "float32", "--features",
+                 str(tmp_path / "split"), "--output-dir", str(tmp_path / "run"), "--target-device-map", '{"": "disk"}',
+                 "--mixed-precision", "no", "--no-progress", "--max-steps", "2", "--batch-size", "1",
+                 "--val-fraction", "0.34", "--save-steps", "0"]) == 0
+    assert PosSDrafter.from_pretrained(tmp_path / "run").training_record["steps"] == 2
     refused = [(["--target-device-map", '{"": "cuda:7"}'], "does not exist on this machine"),
                (["--target-device-map", "auto", "--target-max-memory", "cpu=100KB"], "does not fit"),
                (["--target-device-map", "auto", "--device", "cpu"], "give one of them")]

@@ -121,12 +121,11 @@ def plan_device_map(path: str | Path, dtype: torch.dtype, device_map: str | dict
     the CPU); a map is checked to name modules of the target and to place every weight. `ValueError` when a module
     would go to disk that `max_memory` does not allow (`auto` without a `disk` budget), or a device would hold more
     than its budget."""
-    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
 
     config = AutoConfig.from_pretrained(path)
-    with init_empty_weights():
+    with torch.device("meta"):  # weights without storage; tied ones stay one tensor (counted once)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if device_map == "auto":
         no_split = model._no_split_modules
