@@ -211,11 +211,23 @@ def runtime_options(threads: int | None, device: str | None, dtype: str) -> tupl
     return device, resolve_dtype(dtype, device)
 
 
-def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | None = None):
-    """(model, tokenizer) from a folder, or from a `.gguf` file (dequantized); eval mode."""
+def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | None = None,
+                   device_map: str | dict | None = None, max_memory: dict | None = None):
+    """(model, tokenizer) from a folder, or from a `.gguf` file (dequantized); eval mode. With `device_map` (and
+    `max_memory`, as `placement.parse_placement` returns them) the folder's model is split across devices
+    (`placement.load_split_model`) instead of loaded whole onto `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path).expanduser()
+    if device_map is not None:
+        from .placement import load_split_model
+
+        if path.suffix == ".gguf":
+            raise ValueError(f"{path}: a split target loads from a model folder; convert the GGUF file to one first "
+                             "(`from_pretrained(..., gguf_file=...)` then `save_pretrained`)")
+        if device is not None:
+            raise ValueError(f"a split target is placed by its device map; drop the device ({device})")
+        return load_split_model(path, dtype, device_map, max_memory), AutoTokenizer.from_pretrained(path)
     if path.suffix == ".gguf":
         model, tokenizer = _load_gguf(path.parent, path.name)
         model = model.to(dtype)
@@ -227,11 +239,13 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype = torch.float32, 
     return model.eval(), tokenizer
 
 
-def load_target(name: str, dtype: torch.dtype, device: str | None = None):
-    """`(model, tokenizer)` for a `--target` option: `"default"` (SmolLM2-135M-Instruct), a folder or a `.gguf` file."""
+def load_target(name: str, dtype: torch.dtype, device: str | None = None, device_map: str | dict | None = None,
+                max_memory: dict | None = None):
+    """`(model, tokenizer)` for a `--target` option: `"default"` (SmolLM2-135M-Instruct), a folder or a `.gguf` file;
+    split across devices by `device_map` / `max_memory` when given (`load_causal_lm`)."""
     if name == "default":
-        return load_default_target(dtype=dtype, device=device)
-    return load_causal_lm(name, dtype=dtype, device=device)
+        return load_default_target(dtype=dtype, device=device, device_map=device_map, max_memory=max_memory)
+    return load_causal_lm(name, dtype=dtype, device=device, device_map=device_map, max_memory=max_memory)
 
 
 def load_target_tokenizer(name: str):
@@ -244,7 +258,8 @@ def load_target_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_default_target(dtype: torch.dtype | None = None, cache_dir=None, device: str | None = None):
+def load_default_target(dtype: torch.dtype | None = None, cache_dir=None, device: str | None = None,
+                        device_map: str | dict | None = None, max_memory: dict | None = None):
     """SmolLM2-135M-Instruct as `(model, tokenizer)`, converted on first use (download + about a minute).
 
     Args:
@@ -252,9 +267,11 @@ def load_default_target(dtype: torch.dtype | None = None, cache_dir=None, device
         cache_dir: the converted folder; default `$TRANSFORMERS_POSS_CACHE/SmolLM2-135M-Instruct` or
             `~/.cache/transformers_poss/SmolLM2-135M-Instruct`.
         device: where to put the model (default: CPU).
+        device_map, max_memory: split it across devices instead (`load_causal_lm`).
     """
     folder = convert_default_target(cache_dir)
-    model, tokenizer = load_causal_lm(folder, dtype=dtype or preferred_dtype(device), device=device)
+    model, tokenizer = load_causal_lm(folder, dtype=dtype or preferred_dtype(device), device=device,
+                                      device_map=device_map, max_memory=max_memory)
     model.config._name_or_path = DEFAULT_TARGET_NAME  # what drafters built from it record as their target
     _fix_generation_ids(model, tokenizer)
     return model, tokenizer

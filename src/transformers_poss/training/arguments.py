@@ -32,6 +32,13 @@ class TrainingArguments:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer (default: the target's)"})
     target_dtype: str = field(default="bfloat16", metadata={
         "help": f"dtype of the frozen target: {', '.join(DTYPES)} (auto: bfloat16 where the hardware computes it)"})
+    target_device_map: str | None = field(default=None, metadata={
+        "help": "split the frozen target across devices (accelerate's big-model placement): auto, or a JSON map of "
+                "module names to devices (GPU index, cpu, disk), inline or a file; its embedding and lm_head are "
+                "kept on the drafter's device (default: the whole target on the drafter's device)"})
+    target_max_memory: str | None = field(default=None, metadata={
+        "help": "memory per device for --target-device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB or a JSON object; auto "
+                "offloads to disk only with disk=SIZE"})
     data: str | None = field(default=None, metadata={
         "help": "conversations: .json/.jsonl (ShareGPT or messages; truncated JSON arrays are fine), a save_to_disk "
                 "folder or a datasets id (online target features)"})

@@ -75,26 +75,35 @@ def _records(namespace: argparse.Namespace, command: str) -> list:
         raise SystemExit(f"poss {command}: error: {error}") from None
 
 
-def _target_tokenizer_records(namespace: argparse.Namespace, command: str):
-    """The frozen target, its tokenizer and the conversations named by `poss features` / `poss distill` options
-    (the conversations are read first: a bad `--data` fails before the target loads)."""
+def _target_tokenizer_records(namespace: argparse.Namespace, command: str, device_map=None, max_memory=None):
+    """The frozen target (split across devices by `device_map` / `max_memory` when given), its tokenizer and the
+    conversations named by `poss features` / `poss distill` options (the conversations are read first: a bad `--data`
+    fails before the target loads; a split that cannot be placed fails before any weight is read)."""
     from .pipeline import load_target_and_tokenizer
 
     records = _records(namespace, command)
-    target, tokenizer = load_target_and_tokenizer(namespace.target, namespace.tokenizer, namespace.target_dtype,
-                                                  namespace.device)
+    try:
+        target, tokenizer = load_target_and_tokenizer(namespace.target, namespace.tokenizer, namespace.target_dtype,
+                                                      namespace.device, device_map, max_memory)
+    except ValueError as error:
+        raise SystemExit(f"poss {command}: error: {error}") from None
     return target, tokenizer, records
 
 
 def run_features(namespace: argparse.Namespace) -> int:
+    from ..placement import parse_placement
     from .data import build_examples
     from .features import extract_features, parse_feature_layers
 
     try:
         layers = parse_feature_layers(namespace.feature_layers)
+        device_map, max_memory = parse_placement(namespace.target_device_map, namespace.target_max_memory)
+        if device_map is not None and namespace.device is not None:
+            raise ValueError("--device puts the whole target on one device and --target-device-map splits it: "
+                             "give one of them")
     except ValueError as error:
         raise SystemExit(f"poss features: error: {error}") from None
-    target, tokenizer, records = _target_tokenizer_records(namespace, "features")
+    target, tokenizer, records = _target_tokenizer_records(namespace, "features", device_map, max_memory)
     examples, stats = build_examples(tokenizer, records, namespace.max_length, progress=True)
     metadata = {"data": namespace.data, "split": namespace.data_split, "limit": namespace.limit,
                 "max_length": namespace.max_length, "target_dtype": namespace.target_dtype, **stats}
@@ -235,6 +244,14 @@ def add_subcommand(subparsers) -> None:
     features.add_argument("--feature-layers", default="-1",
                           help="target hidden states to store, comma separated output_hidden_states indices ending "
                                "in -1 (e.g. 3,16,-1 for a fused drafter; default: -1, the final one)")
+    features.add_argument("--target-device-map", default=None,
+                          help="split the target across devices (accelerate's big-model placement): auto, or a JSON "
+                               'map of module names to devices (GPU index, cpu, disk), e.g. \'{"model.embed_tokens": '
+                               '0, "model.layers.0": 0, ..., "lm_head": 1}\', inline or a file (default: the whole '
+                               "target on --device)")
+    features.add_argument("--target-max-memory", default=None,
+                          help="memory per device for --target-device-map, e.g. 0=70GiB,1=70GiB,cpu=200GiB or a JSON "
+                               "object; auto offloads to disk only with disk=SIZE")
     features.set_defaults(func=run_features)
 
     distill = subparsers.add_parser(

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..layers import select_hidden_states
+from ..placement import execution_device
 
 MANIFEST = "features.json"
 
@@ -48,7 +49,8 @@ def target_features(target, input_ids: torch.LongTensor, attention_mask: torch.T
     features = select_hidden_states(out.hidden_states, layers)
     lm_head = target.get_output_embeddings()
     flat = final.reshape(-1, final.shape[-1])
-    argmax = torch.cat([lm_head(part.to(lm_head.weight.dtype)).argmax(-1) for part in flat.split(argmax_chunk)])
+    argmax = torch.cat([lm_head(part.to(lm_head.weight.dtype)).argmax(-1).to(final.device)
+                        for part in flat.split(argmax_chunk)])
     return features, argmax.reshape(final.shape[:-1])
 
 
@@ -95,7 +97,7 @@ def extract_features(
     """Run the frozen target over tokenized examples once and save features to `output_dir` (resumable).
 
     Args:
-        target: the target model (eval mode, any dtype/device).
+        target: the target model (eval mode, any dtype/device, or split across devices by a device map).
         examples: `[{"input_ids": list[int], "loss_mask": list[int]}]`, in a fixed order (resume relies on it).
         shard_size: examples per shard (the resume granularity).
         metadata: recorded in the manifest (data source, max length...); a resumed extraction must match it.
@@ -130,7 +132,7 @@ def extract_features(
         "input_ids": Seq(Value("int32")), "loss_mask": Seq(Value("int8")), "target_argmax": Seq(Value("int32")),
         "features": Array2D(shape=(None, len(feature_layers) * hidden), dtype="uint16"),
     })
-    device = next(target.parameters()).device
+    device = execution_device(target.get_input_embeddings())  # a split target's first module may be offloaded
     n_shards = (len(examples) + shard_size - 1) // shard_size
     bar = None
     if progress:

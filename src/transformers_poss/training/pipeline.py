@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..assets import load_target, resolve_dtype
 from ..hub import write_card
 from ..modeling_poss import PosSDrafter
+from ..placement import parse_placement, resident_embeddings
 from .arguments import TrainingArguments
 from .data import ExampleDataset, build_examples, load_records, split_indices
 from .features import FeatureDataset, load_feature_folders, manifest_feature_layers
@@ -19,9 +20,18 @@ def run_training(args: TrainingArguments) -> PosSDrafter:
     """Train a drafter as `args` say (resuming when `args.resume` asks) and save it in `args.output_dir`, with a
     model card once training has finished. Returns the trained drafter; its record is `drafter.training_record`."""
     args.check()
+    device_map, max_memory = parse_placement(args.target_device_map, args.target_max_memory)
     accelerator = build_accelerator(args)  # refuses a launch whose processes do not form one group
+    if device_map == "auto" and accelerator.num_processes > 1:
+        raise ValueError(
+            f"--target-device-map auto spreads the target over every device, once per process "
+            f"({accelerator.num_processes} here): train on a split target in one process, or extract features first "
+            "(`poss features --target-device-map auto`) and train on them with --target-device-map "
+            """'{"": "disk"}' (each process then holds only the target's embedding and lm_head)""")
     target, tokenizer = load_target_and_tokenizer(args.target, args.tokenizer, args.target_dtype,
-                                                  str(accelerator.device))
+                                                  str(accelerator.device), device_map, max_memory)
+    if device_map is not None:  # the drafter reads their weights
+        resident_embeddings(target, accelerator.device)
     data = prepare_datasets(args, tokenizer)
     drafter, init_record = build_drafter(args, target, data.feature_layers, data.train.token_examples())
     trainer = PosSTrainer(args, drafter, data.train, data.validation, data_record=data.record,
@@ -36,12 +46,16 @@ def run_training(args: TrainingArguments) -> PosSDrafter:
     return trainer.drafter
 
 
-def load_target_and_tokenizer(target: str, tokenizer: str | None, dtype: str, device: str | None = None):
+def load_target_and_tokenizer(target: str, tokenizer: str | None, dtype: str, device: str | None = None,
+                              device_map: str | dict | None = None, max_memory: dict | None = None):
     """(frozen target, tokenizer): the target as `transformers_poss.assets.load_target` loads it (a folder, a
-    `.gguf` file or `"default"`, in `dtype`, a `DTYPES` name) and the tokenizer `tokenizer` (default: the target's)."""
+    `.gguf` file or `"default"`, in `dtype`, a `DTYPES` name) and the tokenizer `tokenizer` (default: the target's).
+    With `device_map` (`placement.parse_placement`'s) the target is split across devices and `device` only decides
+    what `dtype="auto"` means."""
     from transformers import AutoTokenizer
 
-    model, own_tokenizer = load_target(target, resolve_dtype(dtype, device), device)
+    model, own_tokenizer = load_target(target, resolve_dtype(dtype, device),
+                                       device if device_map is None else None, device_map, max_memory)
     return model, (AutoTokenizer.from_pretrained(tokenizer) if tokenizer else own_tokenizer)
 
 

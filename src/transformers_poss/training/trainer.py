@@ -112,7 +112,9 @@ class PosSTrainer:
         target = drafter.bound_target
         if target is None:
             raise ValueError("bind the drafter to its target first")
-        target.requires_grad_(False).eval().to(acc.device)
+        target.requires_grad_(False).eval()
+        if not getattr(target, "hf_device_map", None):  # a target split by a device map stays where it was placed
+            target.to(acc.device)
         drafter.to(device=acc.device, dtype=torch.float32).bind_target(target, move=False)
         self.depth = args.unroll_depth()
         objective = UnrolledObjective(drafter, self.depth, soft_ce_weight=args.soft_ce_weight, top_k=args.tree_top_k,
