@@ -89,7 +89,8 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig, PosSGenerationConfig
+from ..configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig
+from ..generation_config import PosSGenerationConfig
 from ..modeling_poss import PosSDrafter
 from .native import HUB_KWARGS
 from .research import (

@@ -56,7 +56,8 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_poss import PosSConfig, PosSGenerationConfig
+from ..configuration_poss import PosSConfig
+from ..generation_config import PosSGenerationConfig
 from ..modeling_poss import PosSDrafter
 from .native import HUB_KWARGS
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..assets import load_target, resolve_dtype
+from ..extras import require
 from ..hub import write_card
 from ..modeling_poss import PosSDrafter
 from .arguments import TrainingArguments
@@ -18,8 +19,7 @@ from .trainer import PosSTrainer
 def run_training(args: TrainingArguments) -> PosSDrafter:
     """Train a drafter as `args` say (resuming when `args.resume` asks) and save it in `args.output_dir`, with a
     model card once training has finished. Returns the trained drafter; its record is `drafter.training_record`."""
-    from accelerate import Accelerator
-
+    Accelerator = require("accelerate", "train", "training").Accelerator
     args.check()
     accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum)
     target, tokenizer = load_target_and_tokenizer(args.target, args.tokenizer, args.target_dtype,

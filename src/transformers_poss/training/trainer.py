@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from ..extras import require
 from ..modeling_poss import PosSDrafter
 from .arguments import TrainingArguments
 from .data import EpochSampler, collate
@@ -46,8 +47,9 @@ class PosSTrainer:
 
     def __init__(self, args: TrainingArguments, drafter: PosSDrafter, train_dataset, val_dataset=None,
                  data_record: dict | None = None, accelerator=None, init_record: dict | None = None):
-        from accelerate import Accelerator
         from transformers import get_linear_schedule_with_warmup
+
+        Accelerator = require("accelerate", "train", "training").Accelerator
 
         if len(train_dataset) == 0:
             raise ValueError("no training examples")
