@@ -225,6 +225,8 @@ def test_saved_drafters_load_unchanged_and_draft_with_the_same_budget_on_every_k
     config = PosSGenerationConfig.from_pretrained(DRAFTERS_DIR / name)
     assert all(config.budget[key] is None for key in ("tree_depth", "tree_top_k", "max_batch_size"))
     config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "generation_config.json").read_text())
+    assert written == saved | {"transformers_version": written["transformers_version"]}  # the same format
     again = PosSGenerationConfig.from_pretrained(tmp_path)
     for kind in [*saved["device_budgets"], "cpu:other/float32"]:
         before = {key: saved[key] for key in ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens",

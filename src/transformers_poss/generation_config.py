@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 from transformers import GenerationConfig
 
@@ -49,8 +51,9 @@ class PosSGenerationConfig(GenerationConfig):
 
     Set a setting as on any generation config (`drafter.generation_config.tree_depth = 4`), or, for one call without
     changing the shared drafter, pass a view: `assistant_model=drafter.with_generation_config(tree_depth=4)`. Either
-    way it is used on every device kind; setting it back to None hands it to the drafter's budget again. Printing the
-    config shows what is set; `describe_budget()` shows what a call on this machine drafts with.
+    way it is used on every device kind. The five budget settings (`BUDGET_KEYS`) are None until set: None takes the
+    device kind's entry in `device_budgets`, else `default_budget`. Printing the config shows what is set;
+    `describe_budget()` shows what a call on this machine drafts with.
 
     Args:
         draft_mode (`str`): `"tree"` (EAGLE-2 dynamic tree verified in one target forward, default) or `"chain"`
@@ -65,8 +68,6 @@ class PosSGenerationConfig(GenerationConfig):
         max_batch_size (`int`, *optional*): the largest batch that `generate` drafts for; a larger one is decoded
             plainly (the same output) and `speculative_stats.plain_reason` says why. `0`: never draft (speculation
             does not pay). To draft at any batch size, set `speculation="always"`.
-            These five budget settings are None unless the user sets them: None takes the device kind's tuned entry
-            in `device_budgets`, else `default_budget`.
         lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
             their latest earlier occurrence.
         speculation (`str`): `"auto"` (default) follows `max_batch_size`; `"always"` drafts at any batch size, for
@@ -84,6 +85,7 @@ class PosSGenerationConfig(GenerationConfig):
         "draft_mode": "tree", **dict.fromkeys(BUDGET_KEYS), "lookup_ngram_size": 3, "speculation": "auto",
         "default_budget": LIBRARY_DEFAULT_BUDGET, "device_budgets": {},
     }
+
     def __init__(self, **kwargs):
         for name, default in self.POSS_DEFAULTS.items():
             setattr(self, name, copy.deepcopy(kwargs.pop(name, default)))
@@ -93,23 +95,24 @@ class PosSGenerationConfig(GenerationConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs) -> "PosSGenerationConfig":
-        """`GenerationConfig.from_dict`. A dict without `default_budget` (`generation_config.json` as drafters were
-        saved before it existed, or a drafter's settings given flat) holds the drafter's budget at the top level: it
-        becomes `default_budget`, so the drafter drafts as it did."""
+        """`GenerationConfig.from_dict`. A dict without `default_budget` (a saved `generation_config.json`,
+        `to_json_file`, or a drafter's settings given flat) holds the drafter's budget at the top level: it becomes
+        `default_budget`, the budget settings staying unset."""
         if "default_budget" not in config_dict:
             config_dict = {name: value for name, value in config_dict.items() if name not in BUDGET_KEYS} | {
                 "default_budget": {name: config_dict[name] for name in BUDGET_KEYS if name in config_dict}}
         return super().from_dict(config_dict, **kwargs)
 
-    def to_dict(self) -> dict:
-        """`GenerationConfig.to_dict`; the device entries leave out what the user set (it is used on every kind)."""
-        output = super().to_dict()
-        output["device_budgets"] = {
-            kind: {name: value for name, value in entry.items()
-                   if name not in BUDGET_KEYS or getattr(self, name) is None}
-            for kind, entry in output.get("device_budgets", {}).items()
-        }
-        return output
+    def to_json_file(self, json_file_path, use_diff: bool = True, keys_to_pop: list[str] | None = None) -> None:
+        """`GenerationConfig.to_json_file` (what `save_pretrained` writes) in the format drafters are saved in: the
+        drafter's budget at the top level, where what the user set becomes the saved drafter's own (used on every
+        kind: the device entries lose it), so that the saved drafter drafts as this config does."""
+        saved = json.loads(self.to_json_string(use_diff=use_diff, keys_to_pop=keys_to_pop))
+        user = {name: saved[name] for name in BUDGET_KEYS if saved.get(name) is not None}
+        saved.update({**saved.pop("default_budget"), **user})
+        saved["device_budgets"] = {kind: {name: value for name, value in entry.items() if name not in user}
+                                   for kind, entry in saved["device_budgets"].items()}
+        Path(json_file_path).write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
     @property
     def budget(self) -> dict:
