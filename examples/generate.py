@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from transformers_poss import PosSDrafter  # importing installs the generate() hook
 from transformers_poss.assets import load_default_drafter, load_default_target, preferred_dtype
+from transformers_poss.devices import device_kind
 
 
 def main():
@@ -40,9 +41,7 @@ def main():
                                               ("tree_total_tokens", args.tree_total_tokens)] if value is not None}
     if budget:
         drafter = drafter.with_generation_config(**budget)  # a view for this call; the loaded settings stay as they are
-    settings = drafter.generation_config
-    print(f"{settings.draft_mode} drafting: depth {settings.tree_depth}, top-k {settings.tree_top_k}, "
-          f"{settings.tree_total_tokens} tree tokens, prompt-lookup branch of {settings.lookup_num_tokens} tokens\n")
+    print(drafter.generation_config.describe_budget([device_kind(target.device, target.dtype)]) + "\n")
 
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)

@@ -13,6 +13,7 @@ from tiny_tokenizer import char_tokenizer
 from transformers_poss import PosSDrafter, assets
 from transformers_poss.cli import build_parser
 from transformers_poss.evaluation import demo, greedy_consistency
+from transformers_poss.generation_config import resolve_budget
 
 
 def _leftovers(folder):
@@ -112,9 +113,9 @@ def test_shipped_drafters_have_an_entry_for_every_kind_readme_runs(name):
     drafts with its tuned budget and the lookup branch, no `UntunedDeviceWarning` (issue 58)."""
     config = assets.load_default_drafter(name).generation_config
     for kind in ("cpu:avx512_bf16/bfloat16", "cpu:avx512_bf16/float32", "cpu:avx2/float32"):
-        resolved, tuned = config.for_device(kind)
-        assert tuned and resolved.max_batch_size == 2 and resolved.lookup_num_tokens == 10, kind
-        assert config.budget_sources(kind)["tree_depth"] == f"tuned for {kind}"
+        resolved, sources = resolve_budget(config, kind)
+        assert resolved["max_batch_size"] == 2 and resolved["lookup_num_tokens"] == 10, kind
+        assert sources["tree_depth"] == f"tuned for {kind}"
 
 
 def test_commands_are_registered():

@@ -132,6 +132,7 @@ def test_shipped_drafter_drafts_with_what_the_user_sets(target_and_tokenizer, pr
     assert out.speculative_stats.tree_depth == 3 and budget.sources["tree_depth"] == "set by the user"
     assert budget.device_kind == kind and torch.equal(out.sequences, references[0])
     entry = drafter.generation_config.device_budgets.get(kind, {})
-    assert budget.settings["tree_top_k"] == entry.get("tree_top_k", drafter.generation_config.tree_top_k)
+    default = drafter.generation_config.default_budget
+    assert budget.settings["tree_top_k"] == entry.get("tree_top_k", default["tree_top_k"])
     with pytest.raises(ValueError, match=r"target\.generate\(\.\.\., top_k="):
         drafter.with_generation_config(top_k=4)

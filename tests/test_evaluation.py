@@ -291,8 +291,8 @@ def test_summary_json_markdown_and_plots(bench_run, tmp_path):
     lengths = [a for r in run.records if r.method == "fitted-tree" and r.dataset == "mt_bench"
                for a in r.acceptance_lengths]
     assert tree["mean_acceptance_length"] == pytest.approx(mean_acceptance_length(lengths))
-    assert tree["position_acceptance"] == pytest.approx(position_acceptance(lengths, drafter.generation_config.tree_depth),
-                                                         nan_ok=True)
+    depth = drafter.generation_config.default_budget["tree_depth"]
+    assert tree["position_acceptance"] == pytest.approx(position_acceptance(lengths, depth), nan_ok=True)
     assert tree["identical"] == tree["compared"] == 4 and tree["time_split"]["verify"] > 0
     assert tree["lookup_tokens"] == sum(r.lookup_tokens for r in run.records
                                         if r.method == "fitted-tree" and r.dataset == "mt_bench")

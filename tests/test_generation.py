@@ -28,7 +28,7 @@ def test_greedy_identity_and_acceptance_paths(fitted_pairs, family, mode):
             reference, speculative, stats = _generate_both(target, drafter, prompt, max_new_tokens=max_new_tokens)
             assert torch.equal(reference, speculative), (family, mode, max_new_tokens)
             seen += stats.acceptance_lengths
-    depth = drafter.generation_config.tree_depth
+    depth = drafter.generation_config.default_budget["tree_depth"]
     assert 0 in seen, "no round rejected every draft"
     assert any(0 < a < depth for a in seen), "no round accepted some drafts"
     assert depth in seen, "no round accepted all drafts"
@@ -294,7 +294,7 @@ def test_greedy_identity_with_the_lookup_branch(fitted_pairs, family):
             reference, speculative, stats = _generate_both(target, drafter, ids, max_new_tokens=40)
             assert torch.equal(reference, speculative), family
             lookup_accepted += stats.lookup_tokens
-            assert max(stats.tree_sizes) <= drafter.generation_config.tree_total_tokens + 6
+            assert max(stats.tree_sizes) <= drafter.generation_config.default_budget["tree_total_tokens"] + 6
     assert lookup_accepted > 0, "no token came from the lookup branch: the test would not exercise it"
 
 

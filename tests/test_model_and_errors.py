@@ -88,7 +88,8 @@ def test_save_load_round_trip_and_auto_model(tmp_path, family):
         strip = lambda config: {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}  # noqa: E731
         assert strip(loaded.config) == strip(drafter.config)
         assert loaded.generation_config.budget == drafter.generation_config.budget
-        assert loaded.generation_config.tree_top_k == 4 and isinstance(loaded.generation_config, PosSGenerationConfig)
+        assert loaded.generation_config.default_budget["tree_top_k"] == 4
+        assert isinstance(loaded.generation_config, PosSGenerationConfig)
         assert loaded.training_record == {"steps": 7} and loaded.tuning_record == {}
         for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
             assert torch.equal(a.cpu(), b.cpu()), name
@@ -276,7 +277,7 @@ def test_per_call_settings_leave_the_shared_drafter_alone():
     drafter = PosSDrafter.from_target(target, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
     view = drafter.with_generation_config(tree_depth=5, draft_mode="chain")
     assert (view.generation_config.tree_depth, view.generation_config.draft_mode) == (5, "chain")
-    assert (drafter.generation_config.tree_depth, drafter.generation_config.draft_mode) == (2, "tree")
+    assert (drafter.generation_config.default_budget["tree_depth"], drafter.generation_config.draft_mode) == (2, "tree")
     assert view.fc.weight is drafter.fc.weight  # the same weights, not a copy
     out = target.generate(prompts(count=1)[0], max_new_tokens=8, do_sample=False, assistant_model=view,
                           return_dict_in_generate=True)

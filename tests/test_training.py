@@ -808,7 +808,7 @@ def test_command_line_end_to_end(tmp_path, fresh_accelerate):
     hass = PosSDrafter.from_pretrained(tmp_path / "hass")
     record = hass.training_record
     assert record["steps"] == 3 and record["data"]["train_examples"] == 10 and record["data"]["val_examples"] == 2
-    assert hass.generation_config.tree_depth == 3
+    assert hass.generation_config.default_budget["tree_depth"] == 3
     assert "| steps | 3 |" in (tmp_path / "hass" / "README.md").read_text()
     assert not list((tmp_path / "hass" / "checkpoints").rglob("README.md"))
     assert record["draft_vocab"]["coverage"] == pytest.approx(20 / 30, abs=0.2)  # 20 of the 30 answer words

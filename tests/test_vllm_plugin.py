@@ -144,7 +144,7 @@ def test_the_export_suggests_the_shipped_drafters_max_batch_size(tmp_path):
     budgets = drafter.generation_config.device_budgets
     limit = min(entry["max_batch_size"] for kind, entry in budgets.items()
                 if "max_batch_size" in entry and kind.endswith("/bfloat16"))  # the kinds engines serve in
-    k = drafter.generation_config.tree_depth
+    k = drafter.generation_config.default_budget["tree_depth"]
     suggestion = vllm_speculative_config(drafter)
     assert suggestion["num_speculative_tokens"] == k and suggestion["max_batch_size"] == limit
     assert suggestion["num_speculative_tokens_per_batch_size"] == [[1, limit, k], [limit + 1, limit + 1, 0]]

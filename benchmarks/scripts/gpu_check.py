@@ -35,8 +35,6 @@ import torch  # noqa: E402
 
 PAPER_BUDGET = {"tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60}
 LOOKUP_TOKENS = 10
-BUDGET_FIELDS = ("draft_mode", "tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens",
-                 "deep_draft_vocab", "int8_draft_weights")
 KNOWN_SUMMARY = {"draft_mode", "rounds", "new_tokens", "lookup_tokens", "mean_acceptance_length",
                  "position_acceptance", "time_split_s"}
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "shared/data/specbench/mt_bench.jsonl"
@@ -381,7 +379,11 @@ def environment(device, dtype, args, drafter, target) -> list[list]:
         cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
         models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
         name = models[0] if models else platform.processor() or "cpu"
-    budget = {k: getattr(drafter.generation_config, k, None) for k in BUDGET_FIELDS}
+    from transformers_poss.devices import device_kind
+    from transformers_poss.generation_config import resolve_budget
+
+    settings = drafter.generation_config
+    budget = {"draft_mode": settings.draft_mode, **resolve_budget(settings, device_kind(device, dtype))[0]}
     rows = [["device", f"{device}: {name}"],
             ["torch / transformers", f"{torch.__version__} / {transformers.__version__}"],
             ["transformers_poss", getattr(transformers_poss, "__version__", "?")],
@@ -390,7 +392,7 @@ def environment(device, dtype, args, drafter, target) -> list[list]:
     rows += [["target", f"tiny random Llama ({size})" if args.tiny else f"{args.target} ({type(target).__name__}, "
                                                                           f"{size})"],
              ["drafter", "tiny random PosS (3 specialists)" if args.tiny else args.drafter],
-             ["drafter.generation_config (shipped; a per-device entry may replace it: see the warnings)",
+             ["drafter budget on this device kind (shipped settings; resolve_budget)",
               ", ".join(f"{k}={v}" for k, v in budget.items())],
              ["paper budget", ", ".join(f"{k}={v}" for k, v in PAPER_BUDGET.items())],
              ["prompts", f"{args.prompts} (first turns, categories interleaved, chat template)"],

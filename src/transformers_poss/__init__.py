@@ -9,8 +9,9 @@ from transformers import AutoConfig, AutoModel
 
 from . import hub
 from .checkpoints import eagle3, research
-from .configuration_poss import PosSConfig, PosSGenerationConfig
+from .configuration_poss import PosSConfig
 from .generation import GenerationStats, PosSCandidateGenerator, PosSGenerateOutput, install_generate_hook
+from .generation_config import PosSGenerationConfig
 from .modeling_poss import PosSDrafter, PosSDrafterOutput
 
 __version__ = "0.1.0"

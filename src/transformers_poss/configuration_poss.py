@@ -1,11 +1,13 @@
-"""Configuration of a PosS drafter: `PosSConfig` (what rebuilds its weights) and `PosSGenerationConfig` (how it
-drafts)."""
+"""Configuration of a PosS drafter: `PosSConfig`, what rebuilds its weights (how it drafts is its
+`PosSGenerationConfig`, `generation_config`)."""
 
 from __future__ import annotations
 
 import copy
 
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
+
+from .generation_config import PosSGenerationConfig, check_int as _check_int
 
 # Target families whose decoder layer a drafter is built from: family -> (transformers modeling module, decoder layer
 # class, rotary embedding class). The classes are transformers' own (see `modeling_poss.family_classes`).
@@ -16,8 +18,6 @@ FAMILY_CLASSES = {
     "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding"),
     "gemma3_text": ("gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding"),
 }
-DRAFT_MODES = ("tree", "chain")
-SPECULATION_MODES = ("auto", "always")
 # "eagle": EAGLE-1/2, HASS and PosS drafters; "eagle3": EAGLE-3 drafters (see `PosSConfig`).
 DRAFTER_TYPES = ("eagle", "eagle3")
 # Target hidden states an EAGLE-3 drafter fuses (low, mid, high) in every release.
@@ -40,11 +40,6 @@ _IRRELEVANT_TARGET_KEYS = (
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The records a drafter folder keeps beside `config.json` (`training_record.json`, `tuning_record.json`).
 RECORD_NAMES = ("training_record", "tuning_record")
-
-
-def _check_int(owner: str, name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
 
 
 class PosSConfig(PretrainedConfig):
@@ -412,184 +407,3 @@ def default_eagle3_feature_layers(num_hidden_layers: int) -> list[int]:
         )
     return layers
 
-
-class PosSGenerationConfig(GenerationConfig):
-    r"""How a PosS drafter drafts: `drafter.generation_config`, saved as `generation_config.json` beside `config.json`
-    (where transformers keeps an assistant's `num_assistant_tokens`). `poss tune` writes the fastest budget here.
-
-    Set a setting as on any generation config (`drafter.generation_config.tree_depth = 4`), or, for one call without
-    changing the shared drafter, pass a view: `assistant_model=drafter.with_generation_config(tree_depth=4)`. Either
-    way it is used on every device kind. Printing the config shows the budget a call on this machine drafts with.
-
-    Args:
-        draft_mode (`str`): `"tree"` (EAGLE-2 dynamic tree verified in one target forward, default) or `"chain"`
-            (one path through transformers' own assisted-generation loop).
-        tree_depth (`int`): most draft positions per round; a round drafts fewer levels when deeper nodes could not
-            enter its `tree_total_tokens` best (the tree is the same).
-        tree_top_k (`int`): children expanded per node and frontier width per depth.
-        tree_total_tokens (`int`): verified tree size, root included.
-        lookup_num_tokens (`int`): tree mode: the longest continuation copied from the context (prompt lookup) and
-            grafted onto the draft tree as one more root path; `0` (default) drafts with the specialists only.
-            Verification keeps it lossless; it pays when answers repeat their prompt or themselves. `poss tune`
-            measures it and writes what pays into the device kind's entry.
-        lookup_ngram_size (`int`): the lookup matches the context's last `n` tokens, `n` from this down to 2, at
-            their latest earlier occurrence.
-        max_batch_size (`int`, *optional*): the largest batch that `generate` drafts for; a larger one is decoded
-            plainly (the same output) and `speculative_stats.plain_reason` says why. `0`: never draft (speculation
-            does not pay); `None` (default): no limit. `poss tune --batch-sizes` measures it per device kind.
-        speculation (`str`): `"auto"` (default) follows `max_batch_size`; `"always"` drafts at any batch size, for
-            one call: `assistant_model=drafter.with_generation_config(speculation="always")`.
-        device_budgets (`dict`): tuned settings per device kind (`transformers_poss.devices.device_kind`, e.g.
-            `"cpu:avx2/float32"`): `{kind: {"tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens",
-            "max_batch_size"}}` (any of them), written by `poss tune`. On a kind with an entry, `generate` takes the
-            entry's value for each setting the user left as it was loaded; settings the user set win on every kind.
-            Kinds without an entry draft with the settings above (with one warning naming `poss tune`, unless the
-            user set the tree budget). `budget_sources(kind)` says where each value comes from.
-        kwargs: other `GenerationConfig` fields (unused by the drafter).
-    """
-
-    POSS_DEFAULTS = {
-        "draft_mode": "tree", "tree_depth": 6, "tree_top_k": 10, "tree_total_tokens": 60,
-        "lookup_num_tokens": 0, "lookup_ngram_size": 3, "max_batch_size": None, "speculation": "auto",
-        "device_budgets": {},
-    }
-    # What a device kind's entry in `device_budgets` may set.
-    DEVICE_BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens", "max_batch_size")
-    # Where a setting `generate` uses comes from (`budget_sources`); tuned entries say "tuned for KIND".
-    SET_BY_USER = "set by the user"
-    DRAFTER_DEFAULT = "the drafter's default"
-    # The settings that make the tree budget: a kind without an entry warns unless the user set them all.
-    TREE_BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens")
-    # Private state, never saved: which `DEVICE_BUDGET_KEYS` the user set after the config was built or loaded.
-    _USER_SET = "_user_set_budget_keys"
-
-    def __init__(self, **kwargs):
-        for name, default in self.POSS_DEFAULTS.items():
-            setattr(self, name, copy.deepcopy(kwargs.pop(name, default)))
-        super().__init__(**kwargs)
-        self.__dict__[self._USER_SET] = set()  # from here on, setting a budget key is the user's choice
-
-    def __setattr__(self, name, value):
-        user_set = self.__dict__.get(self._USER_SET)
-        if user_set is not None and name in self.DEVICE_BUDGET_KEYS:
-            user_set.add(name)
-        super().__setattr__(name, value)
-
-    @property
-    def user_settings(self) -> set[str]:
-        """The `DEVICE_BUDGET_KEYS` set since this config was built or loaded (by attribute, `update` or
-        `with_generation_config`): they override every device kind's entry."""
-        return set(self.__dict__.get(self._USER_SET, ()))
-
-    def to_dict(self) -> dict:
-        """`GenerationConfig.to_dict`; settings the user set leave the device entries (they apply on every kind, so
-        a saved and reloaded config drafts as this one does)."""
-        output = super().to_dict()
-        user_set = output.pop(self._USER_SET, set())
-        output["device_budgets"] = {
-            kind: {name: value for name, value in entry.items() if name not in user_set}
-            for kind, entry in output.get("device_budgets", {}).items()
-        }
-        return output
-
-    @property
-    def budget(self) -> dict:
-        """The drafting settings (the `POSS_DEFAULTS` fields but `device_budgets`) as a dict."""
-        return {name: getattr(self, name) for name in self.POSS_DEFAULTS if name != "device_budgets"}
-
-    def budget_sources(self, kind: str) -> dict[str, str]:
-        """Where each of `DEVICE_BUDGET_KEYS` that `generate` uses on device kind `kind` comes from: `SET_BY_USER`,
-        `"tuned for KIND"` (the kind's `device_budgets` entry) or `DRAFTER_DEFAULT` (this config's value as loaded)."""
-        entry = self.device_budgets.get(kind) or {}
-        user_set = self.user_settings
-        return {name: self.SET_BY_USER if name in user_set
-                else f"tuned for {kind}" if name in entry else self.DRAFTER_DEFAULT
-                for name in self.DEVICE_BUDGET_KEYS}
-
-    def for_device(self, kind: str) -> tuple["PosSGenerationConfig", bool]:
-        """The settings `generate` uses on device kind `kind` (`budget_sources` says where each comes from): a copy
-        with its `device_budgets` entry filling what the user did not set, and whether there was an entry (without
-        one, this config itself)."""
-        entry = self.device_budgets.get(kind)
-        if entry is None:
-            return self, False
-        config = copy.deepcopy(self)
-        user_set = self.user_settings
-        for name, value in entry.items():
-            if name not in user_set:
-                config.__dict__[name] = value  # not the user's setting: bypasses `__setattr__`'s record
-        return config, True
-
-    def describe(self, kind: str) -> str:
-        """One line: the budget `generate` drafts with on device kind `kind`, each value with its source."""
-        resolved, _ = self.for_device(kind)
-        sources = self.budget_sources(kind)
-        parts = [f"{name}={getattr(resolved, name)} ({sources[name]})" for name in self.DEVICE_BUDGET_KEYS]
-        untuned = "" if kind in self.device_budgets else " [no budget tuned for this kind: poss tune]"
-        return f"on {kind}: draft_mode={resolved.draft_mode}, " + ", ".join(parts) + untuned
-
-    def __repr__(self):
-        from .devices import local_device_kinds
-
-        lines = [super().__repr__().rstrip("\n"), "What generate uses on this machine:"]
-        lines += [f"  {self.describe(kind)}" for kind in local_device_kinds()]
-        return "\n".join(lines) + "\n"
-
-    def plain_reason(self, kind: str, batch_size: int) -> str | None:
-        """Why `generate` should decode a batch of `batch_size` plainly on `kind` with these (resolved) settings, or
-        None to draft."""
-        if self.speculation == "always" or self.max_batch_size is None or batch_size <= self.max_batch_size:
-            return None
-        if self.max_batch_size == 0:
-            return f"speculation does not pay on {kind} (max_batch_size 0, poss tune)"
-        return (f"batch size {batch_size} is above max_batch_size {self.max_batch_size}, where speculation stops "
-                f"paying on {kind} (poss tune --batch-sizes)")
-
-    def validate(self, *args, **kwargs):
-        """`GenerationConfig.validate`, then raise `ValueError` on drafting settings no drafter can run with."""
-        super().validate(*args, **kwargs)
-        minimums = {"tree_depth": 1, "tree_top_k": 1, "tree_total_tokens": 1, "lookup_num_tokens": 0,
-                    "lookup_ngram_size": 2}
-        for name, minimum in minimums.items():
-            _check_int("PosSGenerationConfig", name, getattr(self, name), minimum)
-        if self.max_batch_size is not None:
-            _check_int("PosSGenerationConfig", "max_batch_size", self.max_batch_size, 0)
-        if self.draft_mode not in DRAFT_MODES:
-            raise ValueError(f"PosSGenerationConfig.draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
-        if self.speculation not in SPECULATION_MODES:
-            raise ValueError(
-                f"PosSGenerationConfig.speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}"
-            )
-        self._check_device_budgets()
-
-    def _check_device_budgets(self) -> None:
-        if not isinstance(self.device_budgets, dict):
-            raise ValueError(f"PosSGenerationConfig.device_budgets must be a dict, got {self.device_budgets!r}")
-        for kind, entry in self.device_budgets.items():
-            if not isinstance(entry, dict) or set(entry) - set(self.DEVICE_BUDGET_KEYS):
-                raise ValueError(
-                    f"PosSGenerationConfig.device_budgets[{kind!r}] must be a dict of {self.DEVICE_BUDGET_KEYS}, "
-                    f"got {entry!r}"
-                )
-            resolved, _ = self.for_device(kind)
-            resolved.__dict__["device_budgets"] = {}
-            try:
-                resolved.validate()
-            except ValueError as error:
-                raise ValueError(f"PosSGenerationConfig.device_budgets[{kind!r}]: {error}") from None
-
-    def updated(self, **settings) -> "PosSGenerationConfig":
-        """A validated copy with drafting `settings` changed (they count as the user's: they apply on every device
-        kind). Anything but the `POSS_DEFAULTS` fields raises `ValueError`: sampling and stopping settings belong to
-        `generate`."""
-        unknown = sorted(set(settings) - set(self.POSS_DEFAULTS))
-        if unknown:
-            generate_settings = [name for name in unknown if name in GenerationConfig().to_dict()]
-            hint = (f" {generate_settings} are settings of generate() (sampling, length, stopping), not of drafting: "
-                    f"pass them to target.generate(..., {generate_settings[0]}=...), which the drafter follows."
-                    if generate_settings else "")
-            raise ValueError(f"Unknown drafting settings {unknown}; PosS drafting settings are "
-                             f"{list(self.POSS_DEFAULTS)}.{hint}")
-        config = copy.deepcopy(self)
-        config.update(**settings)
-        return config

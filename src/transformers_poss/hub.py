@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from .configuration_poss import PosSConfig, PosSGenerationConfig
+from .configuration_poss import PosSConfig
+from .generation_config import PosSGenerationConfig, resolve_budget
 from .checkpoints.native import read_drafter_files
 from .modeling_poss import PosSDrafter
 
@@ -244,7 +245,8 @@ def render_card(
         target_url=f"https://huggingface.co/{target}" if is_hub_id(target) else target,
         model_id=model_id,
         config=config,
-        generation=generation_config,
+        # the budget of device kinds without a tuned entry, beside the entries
+        generation=generation_config.updated(**resolve_budget(generation_config, None)[0]),
         tuning=records["tuning_record"],
         parameters=_human(_parameter_count(config)),
         training_rows=[(k, _record_value(v)) for k, v in record.items()],

@@ -23,22 +23,23 @@ import copy
 import torch
 from torch import nn
 
+from .extras import require
+
 ADAPTER = "default"  # each specialist carries one adapter, under peft's default name
+PEFT_USER = "LoRA specialists (`lora_rank`)"  # what needs peft
 
 
 def lora_config(config):
     """The peft `LoraConfig` of a LoRA-specialist drafter's `PosSConfig`."""
-    from peft import LoraConfig
-
-    return LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, bias="none",
-                      target_modules=list(config.lora_target_modules))
+    peft = require("peft", "lora", PEFT_USER)
+    return peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, bias="none",
+                           target_modules=list(config.lora_target_modules))
 
 
 def share_and_adapt(specialists: nn.ModuleList, config) -> None:
     """Tie every weight of `specialists[1:]` to `specialists[0]`'s (the shared layer), then inject one LoRA adapter
     into each specialist; every parameter stays trainable (the shared layer learns from every position)."""
-    from peft import inject_adapter_in_model
-
+    inject_adapter_in_model = require("peft", "lora", PEFT_USER).inject_adapter_in_model
     shared = specialists[0]
     for layer in specialists[1:]:
         for name, parameter in shared.named_parameters():
@@ -72,8 +73,7 @@ def fill_tied_entries(drafter, state_dict, prefix, *unused) -> None:
 
 def adapted_modules(layer: nn.Module) -> dict[str, nn.Module]:
     """`{module path: peft LoRA layer}` of one specialist."""
-    from peft.tuners.lora import LoraLayer
-
+    LoraLayer = require("peft.tuners.lora", "lora", PEFT_USER).LoraLayer
     return {name: module for name, module in layer.named_modules() if isinstance(module, LoraLayer)}
 
 

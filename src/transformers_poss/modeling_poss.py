@@ -27,7 +27,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.utils import ModelOutput
 
 from .checkpoints.native import HUB_KWARGS, read_drafter_files
-from .configuration_poss import RECORD_NAMES, PosSConfig, PosSGenerationConfig
+from .configuration_poss import RECORD_NAMES, PosSConfig
+from .generation_config import PosSGenerationConfig
 from . import kernels, layers, lora
 from .kernels import DraftLinear, pack_int8, runs_int8
 from .layers import (
@@ -194,14 +195,14 @@ class PosSDrafter(PosSPreTrainedModel):
         """A freshly initialised drafter for `target_model`, bound to it, on its `lm_head` device and dtype.
 
         `overrides` are `PosSConfig` fields (e.g. `draft_vocab_size`) and generation settings (`PosSGenerationConfig`
-        fields, e.g. `tree_depth`), each sent where it belongs."""
+        fields, e.g. `tree_depth`: the new drafter's own budget, its `default_budget`), each sent where it belongs."""
         generation = {k: overrides.pop(k) for k in PosSGenerationConfig.POSS_DEFAULTS if k in overrides}
         config = PosSConfig.from_target_config(
             target_model.config, num_specialists=num_specialists,
             positions_per_specialist=positions_per_specialist, **overrides,
         )
         drafter = cls(config)
-        drafter.generation_config = PosSGenerationConfig(**generation)
+        drafter.generation_config = PosSGenerationConfig.from_dict(generation)
         drafter.bind_target(target_model)
         if drafter.draft_lm_head is not None:
             drafter.init_draft_vocab(torch.arange(config.draft_vocab_size))

@@ -89,7 +89,8 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig, PosSGenerationConfig
+from ..configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig
+from ..generation_config import PosSGenerationConfig
 from ..modeling_poss import PosSDrafter
 from .native import HUB_KWARGS
 from .research import (
@@ -386,7 +387,7 @@ def load_eagle3_drafter(cls, path_or_id, num_specialists: int | None = None,
                                       output_loading_info=True, **kwargs)
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:  # checked above; never partial
         raise ValueError(f"Converting {checkpoint.source} left keys unmatched: {info}")
-    model.generation_config = PosSGenerationConfig(**generation)
+    model.generation_config = PosSGenerationConfig.from_dict(generation)  # the drafter's budget
     model.training_record = eagle3_conversion_record(checkpoint, _layout(checkpoint))
     return model
 

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from ..generation_config import resolve_budget
 from ..modeling_poss import PosSDrafter
 
 EXPORT_FORMATS = ("speculators", "vllm")
@@ -132,6 +133,7 @@ def speculators_config(drafter: PosSDrafter, verifier: str, verifier_architectur
     layer.vocab_size = config.vocab_size
     layer_dict = {k: v for k, v in layer.to_dict().items()
                   if k not in ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype")}
+    depth = resolve_budget(drafter.generation_config, None)[0]["tree_depth"]  # of kinds without a tuned entry
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -139,7 +141,7 @@ def speculators_config(drafter: PosSDrafter, verifier: str, verifier_architectur
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": drafter.generation_config.tree_depth}],
+                                  "speculative_tokens": depth}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": verifier_architectures},
         },
@@ -250,13 +252,14 @@ def vllm_speculative_config(drafter: PosSDrafter) -> dict:
     schedule: K draft tokens up to that many scheduled requests, none above (inclusive `[start, end, K]` ranges, the
     last K carried to larger batches). The poss_vllm plugin applies it."""
     settings = drafter.generation_config
-    k = settings.tree_depth
+    default, _ = resolve_budget(settings, None)  # the budget of kinds without an entry
+    k = default["tree_depth"]
     by_kind = {kind: entry["max_batch_size"] for kind, entry in sorted(settings.device_budgets.items())
                if entry.get("max_batch_size") is not None}
     served = {kind: limit for kind, limit in by_kind.items() if kind.endswith(("/bfloat16", "/float16"))}
     limits = list((served or by_kind).values())
-    if not limits and settings.max_batch_size is not None:
-        limits.append(settings.max_batch_size)
+    if not limits and default["max_batch_size"] is not None:
+        limits.append(default["max_batch_size"])
     suggestion = {"num_speculative_tokens": k, "max_batch_size_by_device_kind": by_kind}
     if limits:
         limit = min(limits)
@@ -348,7 +351,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
         "speculators_config": {
             "algorithm": drafter_type,
             "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": drafter.generation_config.tree_depth}],
+                                  "speculative_tokens": poss["speculative_config"]["num_speculative_tokens"]}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": poss["target"]["architectures"]},
         },

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
-from ..configuration_poss import RECORD_NAMES, PosSGenerationConfig
+from ..configuration_poss import RECORD_NAMES
+from ..generation_config import PosSGenerationConfig
 
 HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "subfolder")
 

@@ -56,7 +56,8 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_poss import PosSConfig, PosSGenerationConfig
+from ..configuration_poss import PosSConfig
+from ..generation_config import PosSGenerationConfig
 from ..modeling_poss import PosSDrafter
 from .native import HUB_KWARGS
 
@@ -432,7 +433,7 @@ def load_research_drafter(
     )
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:  # checked above; never partial
         raise ValueError(f"Converting {checkpoint.source} left keys unmatched: {info}")
-    model.generation_config = PosSGenerationConfig(**generation)
+    model.generation_config = PosSGenerationConfig.from_dict(generation)  # the drafter's budget
     model.training_record = conversion_record(checkpoint)
     return model
 

@@ -12,6 +12,8 @@ from ..assets import (
     DEFAULT_DRAFTERS, DEFAULT_TARGET_NAME, DTYPES, default_drafter_path, load_default_drafter, load_default_target,
     load_drafter, resolve_dtype,
 )
+from ..devices import device_kind
+from ..generation_config import resolve_budget
 from ..metrics import mean_acceptance_length, position_acceptance
 from .losslessness import compare_tokens, default_tolerance, greedy_consistency
 
@@ -111,10 +113,11 @@ def run_demo(args) -> int:
     target, tokenizer = load_default_target(dtype=dtype)
     drafter = load_drafter(drafter_path).bind_target(target).eval()
     drafter = drafter.with_generation_config(draft_mode=args.mode)  # this run's mode; the folder is left as it is
-    budget = drafter.generation_config
+    budget, _ = resolve_budget(drafter.generation_config, device_kind(target.device, target.dtype))
     drafter_name = str(drafter_path) if args.drafter else f"shipped {DEFAULT_DRAFTERS['poss2']}"
-    print(f"Drafter: {drafter_name} ({budget.draft_mode} mode, depth {budget.tree_depth}, top-k {budget.tree_top_k}, "
-          f"{budget.tree_total_tokens} tree tokens, prompt-lookup branch of {budget.lookup_num_tokens} tokens)")
+    print(f"Drafter: {drafter_name} ({drafter.generation_config.draft_mode} mode, depth {budget['tree_depth']}, "
+          f"top-k {budget['tree_top_k']}, {budget['tree_total_tokens']} tree tokens, prompt-lookup branch of "
+          f"{budget['lookup_num_tokens']} tokens)")
     print(f"{len(DEMO_CONVERSATIONS)} conversations: a new question, then a follow-up on plain generate's answer; "
           f"greedy, up to {args.max_new_tokens} new tokens a turn\n", flush=True)
 
@@ -132,7 +135,7 @@ def run_demo(args) -> int:
         turns.append(_demo_turn(target, tokenizer, drafter, messages, args.max_new_tokens, tolerance))
 
     print(f"{'turns':<16} {'plain tok/s':>11} {'PosS tok/s':>10} {'speedup':>8} {'tau':>5}  per-position acceptance")
-    for row in demo_summary(turns, budget.tree_depth):
+    for row in demo_summary(turns, budget["tree_depth"]):
         print(f"{row['kind'] + ' (' + str(row['turns']) + ')':<16} {row['plain_rate']:>11.1f} {row['poss_rate']:>10.1f} "
               f"{row['speedup']:>7.2f}x {row['tau']:>5.2f}  "
               + " ".join(f"a{p}={a:.2f}" for p, a in enumerate(row["alphas"], start=1))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..generation_config import resolve_budget
+
 BASELINE = "baseline"
 BUDGET_KEYS = ("tree_depth", "tree_top_k", "tree_total_tokens", "lookup_num_tokens")
 
@@ -84,10 +86,8 @@ def poss_methods(name: str, drafter, modes=("tree", "chain"), source: str | None
     if unknown:
         raise TypeError(f"unknown budget overrides {sorted(unknown)}; expected some of {BUDGET_KEYS}")
     overrides = {key: value for key, value in budget_overrides.items() if value is not None}
-    settings = drafter.generation_config.updated(**overrides)
-    if device_kind is not None:
-        settings = settings.for_device(device_kind)[0]
-    budget = {key: getattr(settings, key) for key in BUDGET_KEYS}
+    resolved, _ = resolve_budget(drafter.generation_config.updated(**overrides), device_kind)
+    budget = {key: resolved[key] for key in BUDGET_KEYS}
     methods = []
     for mode in modes:
         if mode not in ("tree", "chain"):

@@ -24,6 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..extras import require
+
 
 @dataclass
 class Question:
@@ -175,8 +177,7 @@ def questions_from_rows(rows, dataset: str) -> list[Question]:
 
 
 def load_hub_prompts(dataset_id: str, split: str | None = None, limit: int | None = None) -> list[Question]:
-    import datasets
-
+    datasets = require("datasets", "bench", "prompt sets from the Hub")
     loaded = datasets.load_dataset(dataset_id, split=split) if split else datasets.load_dataset(dataset_id)
     if isinstance(loaded, datasets.DatasetDict):
         split = "test" if "test" in loaded else next(iter(loaded))

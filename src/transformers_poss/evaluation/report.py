@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..extras import require
 from .methods import BASELINE
 from .runner import BenchmarkRun, TurnRecord
 
@@ -18,11 +19,9 @@ ALL = "all"  # dataset label of the rows pooled over every dataset
 
 
 def _load_acceptance_metric():
-    import evaluate
-
     from . import ACCEPTANCE_METRIC_PATH
 
-    return evaluate.load(str(ACCEPTANCE_METRIC_PATH))
+    return require("evaluate", "bench", "the acceptance metric").load(str(ACCEPTANCE_METRIC_PATH))
 
 
 def _median(values):

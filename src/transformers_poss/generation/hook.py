@@ -7,8 +7,8 @@ unchanged unless the assistant is a PosS drafter (recognised by `is_poss_drafter
 not by class, so remote-code loads work too). With a PosS drafter:
 
 - `_validate_generation_mode`: checks the request before any work (target compatibility, unsupported options);
-- `_assisted_decoding`: takes the drafter's settings for the device kind (`devices`), decodes plainly where they
-  say speculation does not pay, else checks the inputs, binds the drafter, and runs the tree loop (`decoding`) for
+- `_assisted_decoding`: resolves the drafter's budget for the device kind (`resolve_budget`), decodes plainly where
+  it says speculation does not pay, else checks the inputs, binds the drafter, and runs the tree loop (`decoding`) for
   `draft_mode="tree"`, for one prompt or a batch;
 - `_get_candidate_generator`: returns `PosSCandidateGenerator` for `draft_mode="chain"`.
 
@@ -27,6 +27,7 @@ from packaging import version
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from ..devices import device_kind
+from ..generation_config import DRAFTER_DEFAULT, TREE_BUDGET_KEYS, resolve_budget
 from .cache_surgery import has_sliding_window
 from .candidate_generator import PosSCandidateGenerator
 from .decoding import left_padding, tree_assisted_decoding
@@ -147,32 +148,29 @@ class UntunedDeviceWarning(UserWarning):
 
 
 def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    """Check the inputs (`input_ids` is `[B, prompt_len]`), take the drafter's settings for this device kind, and
-    decode plainly where they say speculation does not pay; else bind the drafter and run the chain or the tree loop,
-    on 8-bit draft weights where the drafter's `int8_draft_weights` says so."""
-    drafter = kwargs["assistant_model"]
+    """Check the inputs (`input_ids` is `[B, prompt_len]`), resolve the drafter's budget for this device kind
+    (`resolve_budget`), and decode plainly where it says speculation does not pay; else bind the drafter and run the
+    chain or the tree loop, on 8-bit draft weights where the drafter's `int8_draft_weights` says so."""
+    configured = kwargs["assistant_model"].generation_config
     kind = device_kind(self.device, self.dtype)
-    configured = drafter.generation_config
-    settings, tuned = configured.for_device(kind)
-    if not tuned and not set(configured.TREE_BUDGET_KEYS) <= configured.user_settings:
+    settings, sources = resolve_budget(configured, kind)
+    if kind not in configured.device_budgets and any(sources[name] == DRAFTER_DEFAULT for name in TREE_BUDGET_KEYS):
         warnings.warn(  # one text per kind: Python shows it once
             f"This PosS drafter has no budget tuned for {kind} and drafts with its default budget; `poss tune "
             "DRAFTER_FOLDER --prompts ...` on this device measures and writes one.", UntunedDeviceWarning,
             stacklevel=4,
         )
-    budget = BudgetUsed(kind, {name: getattr(settings, name) for name in configured.DEVICE_BUDGET_KEYS},
-                        configured.budget_sources(kind))
-    reason = settings.plain_reason(kind, input_ids.shape[0])
+    # This call's view of the drafter: every budget value as resolved, what the drafting loops read.
+    kwargs["assistant_model"] = drafter = kwargs["assistant_model"].with_generation_config(**settings)
+    reason = drafter.generation_config.plain_reason(kind, input_ids.shape[0])
     if reason is not None:
-        out = _decode_plainly(self, input_ids, logits_processor, stopping_criteria, generation_config, settings,
-                              reason, **kwargs)
+        out = _decode_plainly(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                              drafter.generation_config, reason, **kwargs)
     else:
-        if settings is not configured:
-            kwargs["assistant_model"] = drafter = drafter.with_settings(settings)
         with drafter.int8_weights(drafter.int8_draft_weights):
             out = _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
     if isinstance(out, PosSGenerateOutput) and out.speculative_stats is not None:
-        out.speculative_stats.budget = budget
+        out.speculative_stats.budget = BudgetUsed(kind, settings, sources)
     return out
 
 

@@ -16,9 +16,9 @@ class BudgetUsed:
 
     Attributes:
         device_kind: the kind the target ran as (`transformers_poss.devices.device_kind`).
-        settings: `{name: value}` of `PosSGenerationConfig.DEVICE_BUDGET_KEYS` as used.
+        settings: `{name: value}` of the budget settings as used (`generation_config.BUDGET_KEYS`).
         sources: `{name: source}`: "set by the user", "tuned for KIND" or "the drafter's default"
-            (`PosSGenerationConfig.budget_sources`).
+            (`generation_config.resolve_budget`).
     """
 
     device_kind: str

@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 
 from ..assets import DTYPES
+from ..extras import require
 from .arguments import TrainingArguments
 
 
@@ -54,7 +55,7 @@ def build_train_parser(parser: argparse.ArgumentParser | None = None) -> argpars
 def run_train(namespace: argparse.Namespace) -> int:
     from .pipeline import run_training
 
-    from accelerate import PartialState
+    PartialState = require("accelerate", "train", "poss train").PartialState
 
     args = arguments_from_namespace(namespace)
     record = run_training(args).training_record

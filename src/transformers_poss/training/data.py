@@ -25,6 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from ..extras import require
+
 # ShareGPT "from" values -> chat roles.
 ROLE_MAP = {
     "human": "user", "user": "user",
@@ -114,8 +116,7 @@ def load_records(source: str, split: str = "train", limit: int | None = None) ->
             return list(iter_jsonl(source, limit))
         found = "is empty" if not first else "is neither a JSON array nor a JSON-lines file"
         raise ValueError(f"{source} {found}: expected conversation records like {RECORD_SHAPES}")
-    import datasets
-
+    datasets = require("datasets", "train", "reading a dataset folder or Hub dataset")
     saved = os.path.isdir(source) and any(
         os.path.exists(os.path.join(source, name)) for name in ("dataset_info.json", "dataset_dict.json"))
     try:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..extras import require
 from ..layers import select_hidden_states
 from ..placement import execution_device
 
@@ -105,8 +106,7 @@ def extract_features(
     Returns:
         the manifest: `examples`, `tokens`, `bytes`, `bytes_per_token`, `hidden_size`, `feature_dtype`, `shards`...
     """
-    from datasets import Array2D, Dataset, Features, Sequence as Seq, Value
-
+    datasets = require("datasets", "train", "feature extraction")
     if batch_size < 1 or shard_size < 1:
         raise ValueError("batch_size and shard_size must be >= 1")
     hidden = target.config.get_text_config().hidden_size
@@ -128,9 +128,10 @@ def extract_features(
     with open(manifest_path, "w") as handle:
         json.dump({**manifest, "complete": False}, handle, indent=2)
 
-    schema = Features({
-        "input_ids": Seq(Value("int32")), "loss_mask": Seq(Value("int8")), "target_argmax": Seq(Value("int32")),
-        "features": Array2D(shape=(None, len(feature_layers) * hidden), dtype="uint16"),
+    ids = datasets.Sequence(datasets.Value("int32"))
+    schema = datasets.Features({
+        "input_ids": ids, "loss_mask": datasets.Sequence(datasets.Value("int8")), "target_argmax": ids,
+        "features": datasets.Array2D(shape=(None, len(feature_layers) * hidden), dtype="uint16"),
     })
     device = execution_device(target.get_input_embeddings())  # a split target's first module may be offloaded
     n_shards = (len(examples) + shard_size - 1) // shard_size
@@ -169,7 +170,7 @@ def extract_features(
                 bar.update(sum(lengths))
         temporary = final + ".tmp"
         shutil.rmtree(temporary, ignore_errors=True)
-        Dataset.from_dict(columns, features=schema).save_to_disk(temporary)
+        datasets.Dataset.from_dict(columns, features=schema).save_to_disk(temporary)
         os.replace(temporary, final)
     if bar is not None:
         bar.close()
@@ -200,8 +201,7 @@ def load_feature_dataset(path: str):
 
 
 def _shards_as_one(path: str, manifest: dict):
-    import datasets
-
+    datasets = require("datasets", "train", "reading feature folders")
     shards = [datasets.load_from_disk(os.path.join(path, _shard_name(i))) for i in range(manifest["shards"])]
     return datasets.concatenate_datasets(shards) if len(shards) > 1 else shards[0]
 
@@ -211,8 +211,7 @@ def load_feature_folders(paths: Sequence[str]) -> tuple[object, list[dict]]:
 
     Raises `ValueError` before loading any shard when the folders hold features of different targets (name or
     hidden size), of different target layers, or one of them is incomplete."""
-    import datasets
-
+    datasets = require("datasets", "train", "reading feature folders")
     if not paths:
         raise ValueError("no feature folder given")
     manifests = [load_manifest(path) for path in paths]

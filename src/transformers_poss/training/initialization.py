@@ -34,11 +34,9 @@ def build_drafter(args: TrainingArguments, target, feature_layers: list[int] | N
         target, num_specialists=args.specialist_count(), positions_per_specialist=args.positions_per_specialist,
         position_groups=args.position_group_list(), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows,
+        tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, tree_total_tokens=args.tree_total_tokens,
         **{"fc_bias": args.fc_bias, "feature_layers": feature_layers, **variant},
     )
-    budget = drafter.generation_config
-    budget.tree_depth, budget.tree_top_k, budget.tree_total_tokens = (
-        args.tree_depth, args.tree_top_k, args.tree_total_tokens)
     counts = None
     if args.draft_vocab_size is not None and token_examples is not None:
         counts = count_token_frequencies(token_examples, drafter.config.vocab_size)

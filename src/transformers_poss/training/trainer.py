@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from ..extras import require
 from ..modeling_poss import PosSDrafter
 from .arguments import TrainingArguments
 from .data import EpochSampler, collate
@@ -66,7 +67,7 @@ def build_accelerator(args: TrainingArguments, environ=None):
     Raises `ValueError` before any work when the processes started do not form one group (N independent runs would
     write one folder), or when `accelerate launch` was asked for several processes and started one (its
     single-process launcher sets ACCELERATE_USE_CPU, and MASTER_ADDR only for several processes or machines)."""
-    from accelerate import Accelerator
+    Accelerator = require("accelerate", "train", "training").Accelerator
 
     environ = os.environ if environ is None else environ
     launched = launched_processes(environ)
