@@ -52,8 +52,10 @@ def test_gpu_check_runs_on_the_cpu_and_writes_the_tables(tmp_path, one_thread):
                            "--out", str(out)])
     assert code == 0  # fp32: every speculative row is plain generate's
     markdown = (out / "gpu_check.md").read_text()
-    for title in ("## Environment", "## fp32 identity", "## Speed", "## The round's time split"):
+    for title in ("## Environment", "## fp32 identity", "## Speed", "## The round's time split",
+                  "## A bitsandbytes 4-bit (NF4) target"):
         assert title in markdown
+    assert "(skipped: bitsandbytes 4-bit targets run on CUDA here)" in markdown  # a GPU run fills it
     report = json.loads((out / "gpu_check.json").read_text())
     # prompt lookup only at batch 1 (transformers refuses it on batches); both PosS budgets at every batch size
     assert sorted(report["cells"]) == ["1/lookup", "1/plain", "1/poss-paper", "1/poss-shipped", "2/plain",

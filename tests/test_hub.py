@@ -215,8 +215,10 @@ def test_push_uploads_weights_config_and_card(target, tmp_path):
     api = RecordingApi(tmp_path=tmp_path)
     files = hub.push_drafter_to_hub(drafter, "tiny-poss", api=api, tags=["my-tag"])
     assert {"README.md", "model.safetensors", "config.json"} <= set(files)
+    assert {"custom_generate/generate.py", "custom_generate/requirements.txt"} <= set(files)
     card = files["README.md"].decode()
     assert 'PosSDrafter.from_pretrained("me/tiny-poss")' in card  # the namespaced repo id the Hub returned
+    assert 'custom_generate="me/tiny-poss", trust_remote_code=True' in card
     assert "my-tag" in _front_matter(card)["tags"]
     assert json.loads(files["config.json"])["model_type"] == "poss"
     weights_file = tmp_path / "w.safetensors"
@@ -368,7 +370,8 @@ def test_research_checkpoint_converts_and_drafts_like_the_original(target, tmp_p
     # native round trip: save (safetensors, config, generation config, record), load, identical weights and outputs
     drafter.save_pretrained(tmp_path / "native")
     saved = sorted(os.listdir(tmp_path / "native"))
-    assert saved == ["config.json", "generation_config.json", "model.safetensors", "training_record.json"]
+    assert saved == ["config.json", "custom_generate", "generation_config.json", "model.safetensors",
+                     "training_record.json"]
     assert "Converted from a research checkpoint" in str(hub.render_card(tmp_path / "native"))
     native_config = json.loads((tmp_path / "native" / "config.json").read_text())
     assert native_config["model_type"] == "poss" and native_config["num_specialists"] == layers
@@ -396,8 +399,9 @@ def test_convert_cli_and_dtype(target, tmp_path, capsys):
     argv = ["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--num-specialists", "2",
             "--positions-per-specialist", "3", "--target", str(tmp_path / "target"), "--target-name-or-path", "org/t"]
     assert cli.main(argv) == 0
-    assert sorted(os.listdir(tmp_path / "dst")) == ["README.md", "config.json", "generation_config.json",
-                                                    "model.safetensors", "training_record.json"]
+    assert sorted(os.listdir(tmp_path / "dst")) == ["README.md", "config.json", "custom_generate",
+                                                    "generation_config.json", "model.safetensors",
+                                                    "training_record.json"]
     config = PosSConfig.from_pretrained(tmp_path / "dst")
     assert (config.num_specialists, config.positions_per_specialist, config.target_name_or_path) == (2, 3, "org/t")
     weights = load_file(str(tmp_path / "dst" / "model.safetensors"))

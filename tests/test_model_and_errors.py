@@ -75,7 +75,8 @@ def test_save_load_round_trip_and_auto_model(tmp_path, family):
     drafter.save_pretrained(tmp_path)
     saved = {p.name for p in tmp_path.iterdir()}
     # no card on save, no empty tuning record; the budget is not in config.json
-    assert saved == {"model.safetensors", "config.json", "generation_config.json", "training_record.json"}
+    assert saved == {"model.safetensors", "config.json", "generation_config.json", "training_record.json",
+                     "custom_generate"}
     assert "tree_top_k" not in (tmp_path / "config.json").read_text()
     from safetensors.torch import load_file
 

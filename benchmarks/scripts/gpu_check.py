@@ -6,7 +6,9 @@ With the real default target and the shipped drafter, on one device:
 2. speed in the benchmark dtype (bf16 on CUDA): plain vs prompt lookup (`prompt_lookup_num_tokens=10`, batch 1 only:
    transformers refuses it on batches) vs PosS-2 at the shipped and at the paper's budget, at batch sizes 1 / 4 /
    16 / 64 (left-padded chat prompts), with tau, tree sizes and whether each row matched plain's;
-3. the round's time split (`speculative_stats.time_split()`: draft / verify / bookkeeping per target forward).
+3. the round's time split (`speculative_stats.time_split()`: draft / verify / bookkeeping per target forward);
+4. a bitsandbytes 4-bit (NF4) target at batch 1 (CUDA with bitsandbytes only): PosS-2's rows against plain's with
+   fp32 compute, and tokens/s with fp32 and bf16 compute.
 
 Tables go to stdout and to `OUT/gpu_check.md` (+ `gpu_check.json`); OUT is `--out`, else `$OUT` (set by the device
 tool), else `./gpu_check_out`. Only public APIs of the library are used.
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import copy
 import math
 import os
 import platform
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -57,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default="plain,lookup,poss-shipped,poss-paper")
     p.add_argument("--identity-prompts", type=int, default=2, help="fp32 identity check on this many (0: skip)")
     p.add_argument("--identity-new-tokens", type=int, default=64)
+    p.add_argument("--bnb-4bit-prompts", type=int, default=2,
+                   help="prompts for the bitsandbytes 4-bit target case (CUDA with bitsandbytes only; 0: skip)")
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BENCH_BUDGET_S", 300)),
                    help="stop starting new batch sizes after this many seconds (tables keep what ran)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
@@ -368,6 +374,62 @@ def identity_check(args, device, texts: list[str], log) -> list[list]:
     return rows
 
 
+BNB4_COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # fp32: rows against plain's; bf16: the speed that matters
+
+
+def target_folder(args, target) -> str:
+    """A folder of the target's weights, which `from_pretrained` can quantize on load."""
+    if args.tiny:
+        folder = tempfile.mkdtemp(prefix="gpu_check_tiny_target_")
+        target.save_pretrained(folder)
+        return folder
+    if args.target == "default":
+        from transformers_poss.assets import convert_default_target
+
+        return str(convert_default_target())
+    return args.target
+
+
+def bnb4_check(args, device, texts: list[str], log) -> tuple[list[list], str | None]:
+    """A bitsandbytes 4-bit (NF4) target, batch 1, greedy: plain vs PosS-2 per compute dtype (`BNB4_COMPUTE_DTYPES`).
+    Returns the table rows and why the case was skipped (None when it ran)."""
+    if not args.bnb_4bit_prompts:
+        return [], "--bnb-4bit-prompts 0"
+    if not str(device).startswith("cuda"):
+        return [], "bitsandbytes 4-bit targets run on CUDA here"
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return [], "bitsandbytes is not installed (pip install bitsandbytes)"
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    target, tokenizer, drafter = load_models(args, device, torch.float32)
+    folder, generation_config = target_folder(args, target), copy.deepcopy(target.generation_config)
+    del target
+    rows = []
+    for dtype in BNB4_COMPUTE_DTYPES:
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, quantization_config=quantization,
+                                                         device_map={"": device}).eval()
+        quantized.generation_config = copy.deepcopy(generation_config)
+        entries = {"plain": [], "poss-shipped": []}
+        for index, text in enumerate(texts[:args.bnb_4bit_prompts]):
+            inputs = encode(tokenizer, [text], device)
+            for name, kwargs in (("plain", {}), ("poss-shipped", {"assistant_model": drafter})):
+                if index == 0:  # warm-up
+                    run_call(quantized, inputs, kwargs, min(8, args.max_new_tokens), device)
+                new, seconds, spec = run_call(quantized, inputs, kwargs, args.max_new_tokens, device)
+                entries[name].append({"rows": new, "seconds": seconds, **({"spec": spec} if kwargs else {})})
+        plain, poss = pool(entries["plain"]), pool(entries["poss-shipped"])
+        same = sum(a["rows"] == b["rows"] for a, b in zip(entries["plain"], entries["poss-shipped"]))
+        speedup = poss["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+        rows.append([str(dtype).replace("torch.", ""), plain["rows"], plain["tokens_per_s"], poss["tokens_per_s"],
+                     speedup, poss.get("tau"), f"{same}/{plain['rows']}"])
+        log(f"  bnb 4-bit target, {dtype} compute: {same}/{plain['rows']} rows = plain")
+        del quantized
+    return rows, None
+
+
 def environment(device, dtype, args, drafter, target) -> list[list]:
     import transformers
 
@@ -419,6 +481,13 @@ def render(args, dtype, report: dict, cells: dict, elapsed: float) -> str:
                      speed_table(cells)))
     sections.append(("The round's time split (`speculative_stats.time_split()` per target forward; other = the rest of "
                      "the call: prefill, generate's own loop)", split_table(cells)))
+    bnb4_rows, bnb4_skipped = report["bnb4"]
+    sections.append(("A bitsandbytes 4-bit (NF4) target (batch 1, greedy, PosS-2 at its shipped budget; rows = plain "
+                     "with fp32 compute is reported, not part of the exit code: bitsandbytes may multiply one token "
+                     "and several with different kernels)",
+                     f"(skipped: {bnb4_skipped})" if bnb4_skipped else
+                     table(["compute dtype", "prompts", "plain tokens/s", "PosS tokens/s", "speedup", "tau",
+                            "rows = plain"], bnb4_rows)))
     if WARNINGS:
         sections.append(("Warnings from generate (count)",
                          "\n".join(f"- ({n}x) {text}" for text, n in WARNINGS.items())))
@@ -457,7 +526,7 @@ def main(argv=None) -> int:
     texts = load_prompts(args.prompts, tokenizer, args.tiny)
     log(f"{len(texts)} prompts; target and drafter on {device} in {dtype}")
     report = {"environment": environment(device, dtype, args, drafter, target), "identity": [], "cells": {},
-              "skipped": []}
+              "skipped": [], "bnb4": ([], "not run yet")}
     cells, entries = {}, {}
 
     def write() -> str:  # after every step: a run stopped by its time limit keeps what it measured
@@ -507,6 +576,7 @@ def main(argv=None) -> int:
         log(f"batch {batch}: {batches} x {batch} rows: "
             + ", ".join(f"{n} {cells[(batch, n)]['tokens_per_s']:.1f} tok/s" for n in kwargs))
 
+    report["bnb4"] = bnb4_check(args, device, texts, log)
     print(write(), flush=True)
     failures = identity_failures(report, cells)
     if failures:

@@ -2,7 +2,8 @@
 
 Importing this package registers `PosSConfig`/`PosSDrafter` with the Auto classes, lets `PosSDrafter.from_pretrained`
 read research checkpoints and `push_to_hub` upload a model card, and installs the small `generate()` hook that lets
-`target.generate(..., assistant_model=drafter)` draft with a PosS drafter.
+`target.generate(..., assistant_model=drafter)` draft with a PosS drafter (and `pipeline(..., assistant_model=drafter)`,
+whose assistant check it extends).
 """
 
 from transformers import AutoConfig, AutoModel
@@ -10,7 +11,9 @@ from transformers import AutoConfig, AutoModel
 from . import hub
 from .checkpoints import eagle3, research
 from .configuration_poss import PosSConfig
-from .generation import GenerationStats, PosSCandidateGenerator, PosSGenerateOutput, install_generate_hook
+from .generation import (
+    GenerationStats, PosSCandidateGenerator, PosSGenerateOutput, install_generate_hook, install_pipeline_hook,
+)
 from .generation_config import PosSGenerationConfig
 from .modeling_poss import PosSDrafter, PosSDrafterOutput
 
@@ -23,6 +26,7 @@ for reader in (eagle3.read_if_eagle3_checkpoint, research.read_if_research_check
         PosSDrafter.checkpoint_readers.append(reader)
 PosSDrafter.hub_pusher = hub.push_drafter_to_hub
 install_generate_hook()
+install_pipeline_hook()
 
 __all__ = [
     "GenerationStats", "PosSCandidateGenerator", "PosSConfig", "PosSDrafter", "PosSDrafterOutput",

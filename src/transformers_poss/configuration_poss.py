@@ -36,6 +36,8 @@ _IRRELEVANT_TARGET_KEYS = (
     "_attn_implementation_autoset", "output_hidden_states", "output_attentions", "return_dict",
 )
 
+# The target's special tokens, which a drafter's config reports from `target_config` (transformers' pipelines ask).
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # The projections of a decoder layer that LoRA specialists adapt by default (every supported family names them so).
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The records a drafter folder keeps beside `config.json` (`training_record.json`, `tuning_record.json`).
@@ -123,6 +125,9 @@ class PosSConfig(PretrainedConfig):
                 "(`PosSGenerationConfig`, saved as generation_config.json), not in `PosSConfig` / config.json"
             )
         self.target_config = {k: v for k, v in (self.target_config or {}).items() if k not in _IRRELEVANT_TARGET_KEYS}
+        for name in SPECIAL_TOKEN_KEYS:  # read from `target_config` (properties); a config stating them keeps them
+            if name in kwargs:
+                self.target_config.setdefault(name, kwargs.pop(name))
         if self.drafter_type == "eagle3":
             self._fill_eagle3_defaults()
         if self.fc_bias is None:
@@ -145,6 +150,20 @@ class PosSConfig(PretrainedConfig):
     @property
     def vocab_size(self) -> int | None:
         return self.target_config.get("vocab_size")
+
+    # What transformers asks of an assistant's config (a pipeline compares them with its model's): the special tokens
+    # of the target the drafter was trained for, as `target_config` records them (None where it does not).
+    @property
+    def bos_token_id(self) -> int | list[int] | None:
+        return self.target_config.get("bos_token_id")
+
+    @property
+    def eos_token_id(self) -> int | list[int] | None:
+        return self.target_config.get("eos_token_id")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.target_config.get("pad_token_id")
 
     @property
     def is_eagle3(self) -> bool:

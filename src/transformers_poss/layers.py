@@ -3,7 +3,8 @@
 - `family_classes`: the target family's own transformers decoder layer and rotary embedding (no copied modeling files).
 - `Eagle3DecoderLayer`: an EAGLE-3 specialist (attention over `[norm(embedding), norm(hidden)]`).
 - `lean_attention`: the inference forward of a Llama/Mistral/Qwen2/Qwen3 attention module in fewer framework calls.
-- masks (`additive_mask`, `causal_allowed`) and the target's output logits (`output_logits`, Gemma soft-capping).
+- masks (`additive_mask`, `causal_allowed`) and the target's output logits (`output_logits`, Gemma soft-capping);
+  `check_target_weights`: whether a target's embedding and `lm_head` can be read and its forwards verify exactly.
 """
 
 from __future__ import annotations
@@ -39,6 +40,31 @@ def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     lm_head = model.get_output_embeddings()
     logits = lm_head(hidden.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype))
     return softcap_logits(logits, getattr(model.config.get_text_config(), "final_logit_softcapping", None))
+
+
+def check_target_weights(model: PreTrainedModel) -> None:
+    """Raise `ValueError` unless a drafter can read `model`'s input embedding and `lm_head` (floating-point weight
+    tensors, weight-only quantized ones included) and verify drafts exactly: no module quantizes its activations per
+    forward (torch's `quantize_dynamic`), whose output would then depend on how many tokens one forward holds."""
+    def name(module) -> str:
+        return f"{type(module).__module__}.{type(module).__name__}"
+
+    problems = []
+    for role, module in (("input embedding", model.get_input_embeddings()), ("lm_head", model.get_output_embeddings())):
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            problems.append(f"its {role} ({name(module)}) holds no floating-point weight tensor to read")
+    quantized = sorted({name(m) for m in model.modules() if type(m).__module__.startswith("torch.ao.nn.quantized")})
+    if quantized:
+        problems.append(f"its {', '.join(quantized)} modules (torch.ao quantization, e.g. quantize_dynamic) quantize "
+                        "activations in each forward, so verifying several draft tokens in one forward differs from "
+                        "decoding them one by one")
+    if problems:
+        raise ValueError(
+            "PosS drafting cannot run losslessly on this target: " + "; ".join(problems) + ". Supported: targets "
+            "with floating-point weights (float32, bfloat16, float16) or weight-only quantization, e.g. "
+            "AutoModelForCausalLM.from_pretrained(..., quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))."
+        )
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.utils import ModelOutput
 
+from .checkpoints.custom_generate import write_custom_generate
 from .checkpoints.native import HUB_KWARGS, read_drafter_files
 from .configuration_poss import RECORD_NAMES, PosSConfig
 from .generation_config import PosSGenerationConfig
@@ -289,8 +290,10 @@ class PosSDrafter(PosSPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, push_to_hub: bool = False,
                         **kwargs):
-        """`PreTrainedModel.save_pretrained`, plus `generation_config.json` and the records (`training_record.json`,
-        `tuning_record.json`, when not empty). No model card: `push_to_hub`, `poss card` and `poss train` write it.
+        """`PreTrainedModel.save_pretrained`, plus `generation_config.json`, the records (`training_record.json`,
+        `tuning_record.json`, when not empty) and `custom_generate/` (`generate(custom_generate=FOLDER_OR_REPO,
+        trust_remote_code=True)` drafts with this drafter: `checkpoints.custom_generate`). No model card:
+        `push_to_hub`, `poss card` and `poss train` write it.
 
         With `push_to_hub=True` (and `repo_id`, default the folder's name, and `push_to_hub`'s options) the folder is
         then uploaded with its card, as `push_to_hub` does.
@@ -302,6 +305,7 @@ class PosSDrafter(PosSPreTrainedModel):
         if is_main_process:
             folder = Path(save_directory)
             self.generation_config.save_pretrained(folder)
+            write_custom_generate(folder)
             for key in RECORD_NAMES:
                 path = folder / f"{key}.json"
                 if getattr(self, key):
@@ -333,7 +337,9 @@ class PosSDrafter(PosSPreTrainedModel):
 
     # ---- binding to a target -----------------------------------------------------------------------------------
     def check_compatible(self, target_model: PreTrainedModel) -> None:
-        """Raise `ValueError` if this drafter was not built for a target shaped like `target_model`."""
+        """Raise `ValueError` if this drafter was not built for a target shaped like `target_model`, or cannot draft
+        for it losslessly (`layers.check_target_weights`: e.g. a target quantized with `quantize_dynamic`)."""
+        layers.check_target_weights(target_model)
         target_config = target_model.config.get_text_config()
         expected = self.config.target_config
         facts = {
@@ -390,7 +396,7 @@ class PosSDrafter(PosSPreTrainedModel):
             raise ValueError(f"draft_to_target must have shape ({self.config.draft_vocab_size},), got {tuple(ids.shape)}")
         with torch.no_grad():
             self.draft_to_target.copy_(ids)
-            weight = self._bound["lm_head"].weight
+            weight = self._bound["lm_head"].weight.detach().dequantize()  # a weight-only quantized lm_head too
             own = ids[: self.config.own_draft_head_rows]
             self.draft_lm_head.weight.copy_(weight[own.to(weight.device)].to(self.draft_lm_head.weight))
         if self.draft_head_map is not None:
@@ -535,7 +541,8 @@ class PosSDrafter(PosSPreTrainedModel):
                self.fc.weight.device, self.fc.weight.dtype)
         cached = self._head_rows_cache.get("rows")  # (weight, key, rows, 8-bit copy or None)
         if cached is None or cached[0] is not weight or cached[1] != key:
-            rows = weight.detach()[ids.to(weight.device)].to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+            rows = weight.detach().dequantize()[ids.to(weight.device)]  # dequantize: a weight-only quantized lm_head
+            rows = rows.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
             cached = self._head_rows_cache["rows"] = (weight, key, rows, None)
         if not int8:
             return cached[2]
