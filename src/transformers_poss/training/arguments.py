@@ -6,11 +6,25 @@ from dataclasses import dataclass, field
 
 from ..assets import DTYPES
 from .features import parse_feature_layers
+from .recipes import LOSS_ROWS, LR_SCHEDULES, RECIPE_FIELDS, RECIPES, recipe_for
+
+_RECIPE_DEFAULT = " (default: the --drafter-type's reference recipe: eagle {eagle}, eagle3 {eagle3})"
+
+
+def _recipe_help(text: str, name: str) -> dict:
+    """A field's metadata whose help names each recipe's default."""
+    values = {kind: getattr(recipe, name) for kind, recipe in RECIPES.items()}
+    return {"help": text + _RECIPE_DEFAULT.format(**values), "recipe": True}
 
 
 @dataclass
 class TrainingArguments:
-    """Everything `poss train` / `examples/train_poss.py` accept (one flag per field, `--field-name`)."""
+    """Everything `poss train` / `examples/train_poss.py` accept (one flag per field, `--field-name`).
+
+    Fields of the training recipe (`recipes.RECIPE_FIELDS`: depth, noise, learning rate, beta2, warmup, schedule,
+    clipping, fed-back gradients, trained rows) left as `None` take the `--drafter-type`'s reference recipe
+    (`recipes.RECIPES`) when the arguments are made; `recipe_overrides` keeps what was given.
+    """
 
     output_dir: str = field(metadata={"help": "where the drafter, checkpoints and logs go"})
     target: str | None = field(default=None, metadata={
@@ -40,8 +54,8 @@ class TrainingArguments:
         "help": "LoRA specialists: one shared layer plus a LoRA adapter of this rank per specialist (peft); start "
                 "them from a trained drafter with --init-from"})
     lora_alpha: int | None = field(default=None, metadata={"help": "LoRA scale numerator (default: 2 * rank)"})
-    depth: int | None = field(default=None, metadata={
-        "help": "unrolled training steps (default: every specialist's positions, at least 3)"})
+    depth: int | None = field(default=None, metadata=_recipe_help(
+        "unrolled training steps (None: every specialist's positions, at least 3)", "depth"))
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "reduced draft vocabulary: the N most frequent assistant tokens of the training data"})
     draft_head_rows: int | None = field(default=None, metadata={
@@ -70,15 +84,29 @@ class TrainingArguments:
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many optimizer steps"})
     batch_size: int = field(default=4, metadata={"help": "sequences per device per micro-batch"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    lr: float = field(default=3e-5, metadata={"help": "AdamW learning rate"})
+    lr: float | None = field(default=None, metadata=_recipe_help("AdamW learning rate", "lr"))
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    beta2: float | None = field(default=None, metadata=_recipe_help("AdamW beta2", "beta2"))
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_steps: int | None = field(default=None, metadata={"help": "linear warmup steps (default: warmup_ratio)"})
-    warmup_ratio: float = field(default=0.03, metadata={"help": "warmup as a fraction of all steps"})
-    grad_clip_value: float = field(default=0.5, metadata={"help": "clip gradients by value (0: off)"})
+    warmup_ratio: float | None = field(default=None, metadata=_recipe_help(
+        "warmup as a fraction of all steps", "warmup_ratio"))
+    lr_schedule: str | None = field(default=None, metadata=_recipe_help(
+        f"learning-rate decay after the warmup: {', '.join(LR_SCHEDULES)}", "lr_schedule"))
+    grad_clip_value: float | None = field(default=None, metadata=_recipe_help(
+        "clip gradients by value (0: off; giving either clipping turns the other off)", "grad_clip_value"))
+    grad_clip_norm: float | None = field(default=None, metadata=_recipe_help(
+        "clip gradients by their global norm (0: off; giving either clipping turns the other off)",
+        "grad_clip_norm"))
+    detach_fed_back: bool | None = field(default=None, metadata=_recipe_help(
+        "detach the predictions fed back to later unroll steps (HASS/PosS), or let gradients flow through them "
+        "(EAGLE-3)", "detach_fed_back"))
+    loss_rows: str | None = field(default=None, metadata=_recipe_help(
+        f"which rows train: {', '.join(LOSS_ROWS)} (the token drafted, or the row's own state token, is an "
+        "assistant token)", "loss_rows"))
     soft_ce_weight: float = field(default=0.1, metadata={"help": "weight of the soft cross-entropy"})
-    noise: float = field(default=0.2, metadata={"help": "input feature noise (U-0.5)*noise*512/len (0: off)"})
+    noise: float | None = field(default=None, metadata=_recipe_help(
+        "input feature noise (U-0.5)*noise*512/len (0: off)", "noise"))
     mixed_precision: str = field(default="bf16", metadata={"help": "accelerate mixed precision: no, bf16, fp16"})
     save_steps: int = field(default=500, metadata={"help": "checkpoint every N optimizer steps (0: epoch ends)"})
     save_total_limit: int = field(default=2, metadata={"help": "checkpoints kept"})
@@ -92,6 +120,27 @@ class TrainingArguments:
     seed: int = field(default=0, metadata={"help": "seed of initialisation, order, noise and split"})
     num_workers: int = field(default=0, metadata={"help": "data loader workers"})
     progress: bool = field(default=True, metadata={"help": "tqdm progress bars"})
+
+    def __post_init__(self):
+        """Fill the recipe fields left unset from the `--drafter-type`'s reference recipe."""
+        if self.drafter_type not in RECIPES:  # `check` says so; nothing to fill from
+            self.recipe_overrides = {}
+            return
+        given = {name: getattr(self, name) for name in RECIPE_FIELDS if getattr(self, name) is not None}
+        self.recipe_overrides = dict(given)
+        settings = recipe_for(self.drafter_type).settings()
+        if "grad_clip_value" in given or "grad_clip_norm" in given:  # one clipping given: the recipe's goes
+            settings["grad_clip_value"] = settings["grad_clip_norm"] = None
+        for name in RECIPE_FIELDS:
+            if name not in given:
+                setattr(self, name, settings[name])
+
+    def recipe_record(self) -> dict:
+        """What the training record says of the recipe: its name, the settings it gave and those flags overrode."""
+        recipe = recipe_for(self.drafter_type)
+        return {"name": recipe.name, "drafter_type": self.drafter_type,
+                "settings": {name: getattr(self, name) for name in RECIPE_FIELDS},
+                "overridden": dict(self.recipe_overrides)}
 
     def feature_folders(self) -> list[str]:
         """The `--features` folders, in order."""
@@ -152,8 +201,18 @@ class TrainingArguments:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.lr <= 0 or self.noise < 0 or self.grad_clip_value < 0 or self.soft_ce_weight < 0:
-            raise ValueError("--lr must be > 0 and --noise, --grad-clip-value, --soft-ce-weight >= 0")
+        if self.drafter_type not in RECIPES:
+            raise ValueError(f"--drafter-type must be eagle or eagle3, got {self.drafter_type!r}")
+        if (self.lr <= 0 or self.noise < 0 or (self.grad_clip_value or 0) < 0 or (self.grad_clip_norm or 0) < 0
+                or self.soft_ce_weight < 0):
+            raise ValueError("--lr must be > 0 and --noise, --grad-clip-value, --grad-clip-norm, --soft-ce-weight >= 0")
+        if not 0 <= self.warmup_ratio < 1 or not 0 < self.beta2 < 1:
+            raise ValueError(f"--warmup-ratio must be in [0, 1) and --beta2 in (0, 1), got {self.warmup_ratio}, "
+                             f"{self.beta2}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.loss_rows not in LOSS_ROWS:
+            raise ValueError(f"--loss-rows must be one of {', '.join(LOSS_ROWS)}, got {self.loss_rows!r}")
         if self.target_dtype not in DTYPES:
             raise ValueError(f"--target-dtype must be one of {', '.join(DTYPES)}, got {self.target_dtype!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -170,8 +229,6 @@ class TrainingArguments:
         if groups and sum(groups) < self.unroll_depth():
             raise ValueError(f"--position-groups {self.position_groups} cover draft positions 1..{sum(groups)}; "
                              f"--depth {self.unroll_depth()} trains more: make the groups cover every trained position")
-        if self.drafter_type not in ("eagle", "eagle3"):
-            raise ValueError(f"--drafter-type must be eagle or eagle3, got {self.drafter_type!r}")
         if self.norm_before_residual and self.drafter_type != "eagle3":
             raise ValueError("--norm-before-residual needs --drafter-type eagle3")
 

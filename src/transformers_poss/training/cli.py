@@ -30,7 +30,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
             options["required"] = True
         else:
             options["default"] = spec.default
-            options["help"] += f" (default: {spec.default})"
+            if not spec.metadata.get("recipe"):  # a recipe field's help names each recipe's default
+                options["help"] += f" (default: {spec.default})"
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
         else:

@@ -10,7 +10,8 @@ context is positions `0 .. t-j` (so `S = t - j + 1`) and whose draft levels `1 .
 - input set 0: `I_0[s] = fc(embed(x_{s+1}), f_s)` (target features, the committed context; with several
   `feature_layers`, `f_s = fuse(h_s)` of the concatenated target hidden states `h_s`);
 - input set `i >= 1`: `I_i[s] = fc(embed(x_{s+1}), P_{i-1}[s-1])`: the level-`i` node at position `s`, i.e. the
-  (ground-truth) drafted token with the feature the drafter predicted at step `i-1` one position earlier (detached);
+  (ground-truth) drafted token with the feature the drafter predicted at step `i-1` one position earlier (detached
+  in the HASS/PosS recipe; EAGLE-3's lets gradients flow through it, `detach_fed_back=False`);
 - step `j` runs specialist `config.specialist_for_position(j + 1)` with queries `I_j` and keys/values of sets
   `0 .. j` computed with that specialist's own weights, under the mask
   `allowed[t, (i, s)] = (i == 0 and s <= t - j) or (i >= 1 and s == t - j + i)`.
@@ -23,6 +24,10 @@ That is, position by position, what `DraftSession` feeds the same specialist at 
 `tests/test_training.py::test_unrolled_steps_equal_inference_drafting`). Queries with `t < j` have no committed
 context and are not trained. Attention is dense over the `(j + 1) * T` keys (SDPA/eager with an additive mask);
 a specialist that joins at step `j` first records keys/values of sets `0 .. j-1` with a projection-only pass.
+
+Trained rows (`trained_rows`): HASS/PosS train position `t` when the token it drafts, `x_{t+2}`, is an assistant
+token (`loss_rows="drafted-token"`); SpecForge's EAGLE-3 trains it when `x_t` is (`loss_rows="state-token"`: the
+target shifts by one, its loss mask does not), for `t = 0 .. T-1`.
 
 Loss of step `j` (mean over its trained positions): `SmoothL1(P_j, f_{t+1})` (mean over features) plus
 `soft_ce_weight * CE(softmax(target logits of f_{t+1}), log_softmax(draft logits of P_j))`, over the draft vocabulary
@@ -48,6 +53,7 @@ from transformers.utils import ModelOutput
 
 from ..layers import additive_mask, softcap_logits
 from ..modeling_poss import PosSDrafter
+from .recipes import LOSS_ROWS
 
 EAGLE3_STEP_DECAY = 0.8  # EAGLE-3's weight of unroll step j is 0.8 ** j
 
@@ -61,9 +67,15 @@ def unrolled_allowed(length: int, step: int, device=None) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def prediction_mask(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Trained drafter positions `[B, T]` from the token loss mask `[B, L]`: position `t` trains when the token it
-    drafts, `x_{t+2}`, is an assistant token (the last position, whose drafted token is past the end, does not)."""
+def prediction_mask(loss_mask: torch.Tensor, loss_rows: str = "drafted-token") -> torch.Tensor:
+    """Trained drafter positions `[B, T]` from the token loss mask `[B, L]`.
+
+    "drafted-token": position `t` trains when the token it drafts, `x_{t+2}`, is an assistant token (the last
+    position, whose drafted token is past the end, does not). "state-token" (SpecForge's EAGLE-3): when `x_t` is."""
+    if loss_rows == "state-token":
+        return loss_mask[:, :-1].bool()
+    if loss_rows != "drafted-token":
+        raise ValueError(f"loss_rows must be one of {LOSS_ROWS}, got {loss_rows!r}")
     mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.bool)
     mask[:, :-1] = loss_mask[:, 2:].bool()
     return mask
@@ -133,6 +145,7 @@ def check_trainable(drafter: PosSDrafter, depth: int) -> None:
 
 def unrolled_forward(
     drafter: PosSDrafter, input_ids: torch.LongTensor, features: torch.Tensor, depth: int,
+    detach_fed_back: bool = True,
 ) -> list[torch.Tensor]:
     """Predicted features of each unroll step.
 
@@ -141,6 +154,8 @@ def unrolled_forward(
         features: `[B, L, nH]` target features (`drafter.target_features`) used as step-0 inputs (noised in
             training).
         depth: unroll steps (inference draft positions 1 .. depth).
+        detach_fed_back: feed step `j` the predictions of step `j - 1` detached (HASS/PosS), or let gradients of
+            later steps flow through them into earlier steps (EAGLE-3, as SpecForge and SafeAILab train).
     Returns:
         `depth` tensors `[B, T, H]` (`T = L - 1`); entry `j` at position `t` predicts `f_{t+1}` as draft position
         `j + 1` of a round with committed context `0 .. t - j` (meaningful for `t >= j`).
@@ -158,7 +173,7 @@ def unrolled_forward(
         if step == 0:
             step_features = drafter.fuse_features(features[:, :-1])
         else:
-            previous = predictions[-1].detach()
+            previous = predictions[-1].detach() if detach_fed_back else predictions[-1]
             step_features = torch.cat((torch.zeros_like(previous[:, :1]), previous[:, :-1]), dim=1)
         layer_inputs = drafter.project(next_tokens, step_features)
         specialist = config.specialist_for_position(step + 1)
@@ -199,9 +214,12 @@ class UnrolledObjective(nn.Module):
     The target (embedding, `lm_head`) stays outside the module: it is bound to the drafter, frozen, not saved.
     """
 
-    def __init__(self, drafter: PosSDrafter, depth: int, soft_ce_weight: float = 0.1, top_k: int = 10):
+    def __init__(self, drafter: PosSDrafter, depth: int, soft_ce_weight: float = 0.1, top_k: int = 10,
+                 detach_fed_back: bool = True, loss_rows: str = "drafted-token"):
         super().__init__()
         check_trainable(drafter, depth)
+        if loss_rows not in LOSS_ROWS:
+            raise ValueError(f"loss_rows must be one of {LOSS_ROWS}, got {loss_rows!r}")
         if drafter.bound_target is None:
             raise ValueError("bind the drafter to its target before training (`drafter.bind_target(target)`)")
         if top_k < 1:
@@ -210,6 +228,14 @@ class UnrolledObjective(nn.Module):
         self.depth = depth
         self.soft_ce_weight = soft_ce_weight
         self.top_k = top_k
+        self.detach_fed_back = detach_fed_back
+        self.loss_rows = loss_rows
+
+    def loss_record(self) -> dict:
+        """The loss of each unroll step, for the training record."""
+        if self.drafter.config.is_eagle3:
+            return {"loss": f"token soft-CE over the draft vocabulary, step j weighted {EAGLE3_STEP_DECAY}**j"}
+        return {"loss": "feature smooth-L1 + soft_ce_weight * token soft-CE", "soft_ce_weight": self.soft_ce_weight}
 
     # ---- target side --------------------------------------------------------------------------------------------
     def _target_head(self) -> tuple[torch.Tensor, float | None]:
@@ -247,8 +273,8 @@ class UnrolledObjective(nn.Module):
         """
         drafter = self.drafter
         predictions = unrolled_forward(drafter, input_ids, features if input_features is None else input_features,
-                                       self.depth)
-        trained = prediction_mask(loss_mask)  # [B, T]
+                                       self.depth, detach_fed_back=self.detach_fed_back)
+        trained = prediction_mask(loss_mask, self.loss_rows)  # [B, T]
         rows, cols = trained.nonzero(as_tuple=True)
         hidden = drafter.config.hidden_size
         goal = features[:, 1:, -hidden:][rows, cols].float()  # [N, H] f_{t+1}, the final hidden state

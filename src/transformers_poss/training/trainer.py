@@ -47,7 +47,7 @@ class PosSTrainer:
     def __init__(self, args: TrainingArguments, drafter: PosSDrafter, train_dataset, val_dataset=None,
                  data_record: dict | None = None, accelerator=None, init_record: dict | None = None):
         from accelerate import Accelerator
-        from transformers import get_linear_schedule_with_warmup
+        from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
         if len(train_dataset) == 0:
             raise ValueError("no training examples")
@@ -61,7 +61,8 @@ class PosSTrainer:
         target.requires_grad_(False).eval().to(acc.device)
         drafter.to(device=acc.device, dtype=torch.float32).bind_target(target, move=False)
         self.depth = args.unroll_depth()
-        objective = UnrolledObjective(drafter, self.depth, soft_ce_weight=args.soft_ce_weight, top_k=args.tree_top_k)
+        objective = UnrolledObjective(drafter, self.depth, soft_ce_weight=args.soft_ce_weight, top_k=args.tree_top_k,
+                                      detach_fed_back=args.detach_fed_back, loss_rows=args.loss_rows)
         optimizer = torch.optim.AdamW(objective.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                                       weight_decay=args.weight_decay)
         self.sampler = EpochSampler(len(train_dataset), seed=args.seed)
@@ -74,8 +75,9 @@ class PosSTrainer:
             self.total_steps = min(self.total_steps, args.max_steps)
         self.warmup_steps = (args.warmup_steps if args.warmup_steps is not None
                              else int(args.warmup_ratio * self.total_steps))
-        scheduler = get_linear_schedule_with_warmup(optimizer, self.warmup_steps * acc.num_processes,
-                                                    self.total_steps * acc.num_processes)
+        schedule = (get_cosine_schedule_with_warmup if args.lr_schedule == "cosine"
+                    else get_linear_schedule_with_warmup)
+        scheduler = schedule(optimizer, self.warmup_steps * acc.num_processes, self.total_steps * acc.num_processes)
         self.scheduler = acc.prepare(scheduler)
         self.val_dataset = val_dataset
         self.data_record = data_record or {}
@@ -140,8 +142,10 @@ class PosSTrainer:
                     with acc.accumulate(self.model):
                         out = self.model(**self._inputs(batch, epoch, batch_index))
                         acc.backward(out.loss)
-                        if acc.sync_gradients and args.grad_clip_value > 0:
+                        if acc.sync_gradients and args.grad_clip_value:
                             acc.clip_grad_value_(self.model.parameters(), args.grad_clip_value)
+                        if acc.sync_gradients and args.grad_clip_norm:
+                            acc.clip_grad_norm_(self.model.parameters(), args.grad_clip_norm)
                         self.optimizer.step()
                         self.scheduler.step()
                         self.optimizer.zero_grad()
@@ -299,11 +303,13 @@ class PosSTrainer:
             "target": self.drafter.config.target_name_or_path or args.target,
             "data": self.data_record,
             "features": f"offline: {args.features}" if args.features else "online (frozen target in the loop)",
-            "objective": {"name": "training-time test (HASS/PosS unrolled)", "depth": self.depth,
-                          "soft_ce_weight": args.soft_ce_weight, "feature_loss": "smooth_l1", "noise": args.noise},
+            "recipe": args.recipe_record(),
+            "objective": {"name": "training-time test (unrolled)", "depth": self.depth, **self.objective.loss_record(),
+                          "noise": args.noise, "detach_fed_back": args.detach_fed_back, "loss_rows": args.loss_rows},
             "optimizer": {"name": "AdamW", "lr": args.lr, "betas": [args.beta1, args.beta2],
                           "weight_decay": args.weight_decay, "grad_clip_value": args.grad_clip_value,
-                          "schedule": "linear", "warmup_steps": self.warmup_steps},
+                          "grad_clip_norm": args.grad_clip_norm, "schedule": args.lr_schedule,
+                          "warmup_steps": self.warmup_steps},
             "batch": {"per_device": args.batch_size, "grad_accum": args.grad_accum,
                       "processes": acc.num_processes,
                       "sequences_per_step": args.batch_size * args.grad_accum * acc.num_processes,
