@@ -14,6 +14,7 @@ from transformers import LlamaForCausalLM
 
 from transformers_poss import PosSDrafter
 from transformers_poss.training.objective import UnrolledObjective, unrolled_forward
+from transformers_poss.training.recipes import recipe_for
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
 
@@ -47,17 +48,20 @@ def reference_step_logits(logits: torch.Tensor, step: int) -> torch.Tensor:
 
 
 def library_ttt(drafter, target, depth: int) -> tuple[list[torch.Tensor], object, dict[str, float]]:
-    """This library's side on the fixture inputs: per-step draft logits on rows `t >= step` (`[B, L - 1 - step,
-    Vd]`), the `UnrolledObjective` output, and the gradient norm of every drafter parameter after backward of its
-    loss."""
+    """This library's side on the fixture inputs, with the objective `poss train` uses for EAGLE-3 drafters (the
+    `specforge-eagle3` recipe): per-step draft logits on rows `t >= step` (`[B, L - 1 - step, Vd]`), the
+    `UnrolledObjective` output, and the gradient norm of every drafter parameter after backward of its loss."""
     _, tensors = reference()
     input_ids, loss_mask = tensors["input_ids"], tensors["loss_mask"]
     features = target_features(target, drafter, input_ids)
     with torch.no_grad():
         predictions = unrolled_forward(drafter, input_ids, features, depth)
         logits = [drafter.logits(p)[:, step:] for step, p in enumerate(predictions)]
+    recipe = recipe_for(drafter.config.drafter_type)
+    assert recipe.depth == depth and recipe.noise == 0
     drafter.zero_grad(set_to_none=True)
-    output = UnrolledObjective(drafter, depth)(input_ids, features, loss_mask)
+    objective = UnrolledObjective(drafter, depth, detach_fed_back=recipe.detach_fed_back, loss_rows=recipe.loss_rows)
+    output = objective(input_ids, features, loss_mask)
     output.loss.backward()
     norms = {name: float(p.grad.norm()) for name, p in drafter.named_parameters() if p.grad is not None}
     return logits, output, norms
