@@ -1,5 +1,6 @@
-"""The prepared GPU check (scripts/gpu_check.sh) keeps working without a GPU: its benchmark on the CPU with a tiny
-random target, and the staging of what travels to the device, part by part, with the device-side gathering."""
+"""The prepared GPU check (benchmarks/scripts/gpu_check.sh) keeps working without a GPU: its benchmark on the CPU
+with a tiny random target, and the staging of what travels to the device, part by part, with the device-side
+gathering."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "scripts"
 
 
 def _load(name: str):
@@ -107,7 +108,8 @@ def test_stage_splits_the_payload_and_unpack_gathers_it_call_by_call(tmp_path):
     assert len(parts) >= 3
     assert all(sum(f.stat().st_size for f in p.iterdir()) <= 1.05 * 2**20 for p in parts)
     calls = (root / "gpu_stage" / "RUN_CALLS.txt").read_text()
-    assert calls.count('run(command="bash scripts/gpu_check.sh device", carry=["gpu_stage/part-') == len(parts)
+    call = 'run(command="bash benchmarks/scripts/gpu_check.sh device", carry=["gpu_stage/part-'
+    assert calls.count(call) == len(parts)
 
     # the device: a copy of the tracked tree; each call carries one part folder, ignored files stay between calls
     device = tmp_path / "device"

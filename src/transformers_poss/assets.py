@@ -37,9 +37,7 @@ DEFAULT_DRAFTERS = {
     "single": "single-smollm2-135m-instruct",
 }
 # Kernel choices each shipped drafter loads with (`PosSDrafter.from_pretrained` options): both draft on 8-bit weight
-# copies. PosS-2 in bf16: README benchmark 2.08x -> 2.24x and 2.01x -> 2.08x in two interleaved runs on the AVX-512
-# BF16 CPU (docs/benchmarks/cpu-bf16-lean-rounds); in fp32 the products run in bf16 on the 8-bit copies, 3.7x cheaper
-# than fp32 ones on an AVX2 CPU (`kernels`, docs/benchmarks/cpu-fp32-avx2).
+# copies (`kernels`: in fp32 too, the products then run in bf16 on the 8-bit copies).
 SHIPPED_KERNELS = {"poss2": {"int8_draft_weights": True}, "single": {"int8_draft_weights": True}}
 
 # ---- the default target ------------------------------------------------------------------------------------------
@@ -190,10 +188,8 @@ DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "f
 
 
 def preferred_dtype(device: str | None = None) -> torch.dtype:
-    """bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with AVX-512 BF16/AMX), else float32.
-
-    Measured here: on an AVX2-only CPU a bf16 forward of SmolLM2-135M is several times slower than fp32.
-    """
+    """bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with AVX-512 BF16/AMX), else float32
+    (elsewhere bf16 is emulated, slower than fp32)."""
     if device is not None and str(device).startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

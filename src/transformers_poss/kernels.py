@@ -6,9 +6,7 @@ the weights themselves, training and the saved state are untouched.
 
 The kernel (`torch._weight_int8pack_mm`) is fast for 16-bit inputs only, so products run in bf16 (fp16 for fp16
 drafters) and return in the input's dtype: for an fp32 drafter that is bf16 arithmetic on 8-bit weights, which costs
-acceptance only (the target verifies every token). [4, 576] x [576, 16384] on the 2-core AVX-512 BF16 CPU, cold
-caches: fp32 dense 3.9 ms, int8 with fp32 inputs 13.5 ms, int8 with bf16 inputs 0.46 ms; with torch held to AVX2
-(`ATEN_CPU_CAPABILITY=avx2`, as an AVX2-only CPU computes) 4.0 / 13.1 / 1.16 ms (`docs/benchmarks/cpu-fp32-avx2`).
+acceptance only (the target verifies every token).
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ def int8_product(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) ->
 
 
 # Above this many input rows the 8-bit kernel is slower than the dense product of the input's dtype (it does not block
-# larger products as a GEMM does): 16-bit inputs 4 rows; fp32 inputs, whose dense product reads twice the bytes, 32
-# ([32, 576] x [576, 16384] cold: 4.6 ms against 6.4 dense on AVX2, 2.2 against 5.5 on AVX-512).
+# larger products as a GEMM does): 16-bit inputs 4 rows; fp32 inputs, whose dense product reads twice the bytes, 32.
 INT8_MAX_ROWS = {torch.float32: 32}
 INT8_MAX_ROWS_16BIT = 4
 

@@ -16,9 +16,8 @@ from ..metrics import mean_acceptance_length, position_acceptance
 from .losslessness import compare_tokens, default_tolerance, greedy_consistency
 
 # `poss demo`'s conversations: a new question, then a follow-up that asks for the answer reworked. Chat users do
-# both, and the two differ a lot here: where an answer repeats text from its context, the drafter's prompt-lookup
-# branch copies it (on MT-Bench's writing questions the shipped PosS-2 reaches tau 1.91 on the first turns and 5.11
-# on the rewrite requests that follow them, docs/results.md), so the demo shows both kinds and reports them apart.
+# both, and the two differ a lot: where an answer repeats text from its context, the drafter's prompt-lookup branch
+# copies it (docs/results.md has both kinds' figures), so the demo shows both kinds and reports them apart.
 DEMO_CONVERSATIONS = (
     ("Explain in three sentences why the sky is blue.",
      "Rewrite your explanation so that a ten-year-old can follow it."),

@@ -16,11 +16,10 @@ from .drafting import DraftTree
 def keeps_every_tree_row(model) -> bool:
     """Whether verification projects every tree node through the `lm_head` in its forward (one pass over the head).
 
-    The alternative is `TreeLogits` projecting the rows acceptance visits one at a time (about tau of them). Reading
-    the head's weights dominates in 16-bit and on accelerators: SmolLM2-135M's 49,152 x 576 head took 6.6 ms for one
-    row and 9.5 ms for 14 in bf16 on a 2-core AVX-512 BF16 CPU, so one pass wins from tau ~1.5. In fp32 on a CPU the
-    rows cost more (11 ms for one, 24 ms for 14 there), and visiting wins below tau ~2.2, where CPU drafters are.
-    `python scripts/verify_cost.py --lm-head` measures both.
+    The alternative is `TreeLogits` projecting the rows acceptance visits one at a time (about tau of them). In
+    16-bit and on accelerators reading the head's weights dominates, so one pass over every row costs little more
+    than one row; in fp32 on a CPU each row adds more, and visiting only the accepted path's rows is cheaper at the
+    acceptance lengths CPU drafters reach (`benchmarks/scripts/verify_cost.py --lm-head` times both).
     """
     return model.device.type != "cpu" or model.dtype in (torch.bfloat16, torch.float16)
 

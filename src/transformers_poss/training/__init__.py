@@ -57,21 +57,14 @@ slower than fp32: use `--mixed-precision no --target-dtype float32` there (featu
 `--target-dtype auto` picks bfloat16 only where the hardware computes it).
 With more threads than free cores, set `OMP_WAIT_POLICY=PASSIVE`.
 
-Learning rate. The default (3e-5, EAGLE's for 7B targets) is slow for a small drafter trained from scratch. Measured
-here (SmolLM2 features of 418 ShareGPT conversations, single specialist, depth 2, batch 4, fp32): `--lr 2e-3` reached
-after 100 steps the per-position validation accuracy (0.218, 0.197) that `--lr 5e-4` needed 206 steps for; raising
-`--soft-ce-weight` from 0.1 to 1.0 at `--lr 2e-3` changed nothing measurable (0.219, 0.192).
+Learning rate. The default (3e-5, EAGLE's for 7B targets) is slow for a small drafter trained from scratch: raise
+it (`--lr 5e-4` to `2e-3`), and give warm-started passes over more data a fraction of the first run's rate.
 
-Self-distillation, measured here (docs/HISTORY.md, "Training experiments"): the shipped PosS-2 drafter
-continued 250 steps on 1,056 ShareGPT prompts answered by SmolLM2-135M itself ended 0.011 more accurate (top-1) at
-draft position 1 and 0.018-0.029 at positions 2-6 on held-out prompts answered by the target than the same steps on
-the original ShareGPT answers, which gained nothing (0.005-0.014 on the target's mt_bench answers), with 26% fewer
-tokens: train on the target's own answers. Several feature folders train together: `--features plain_feats,distilled_feats`.
-After several rounds of new prompts, one pass over all their folders together at a third of the learning rate
-(1e-4 after 3e-4) raised held-out accuracy by 0.007-0.020 per position and depth-6 tau from 2.66 to 2.76
-(docs/benchmarks/cpu-fp32-all-rounds-d6-mt_bench), where a fourth round alone at that rate had added nothing; a
-second such pass at half that rate (5e-5) left held-out top-1 accuracy flat, lowered the held-out losses and raised
-depth-6 tau by another 0.02-0.03, so judge a pass by tau or the held-out losses, not by top-1 accuracy alone.
+Self-distillation: train on the target's own answers (`poss distill`), which the drafter must predict at inference,
+rather than on a dataset's. Several feature folders train together: `--features plain_feats,distilled_feats`. After
+several rounds of new prompts, one pass over all their folders together at a lower learning rate is the step to try
+next; judge a pass by tau or the held-out losses, not by top-1 accuracy alone. docs/training.md links what these
+choices measured.
 
 Without `--features`, `--data` trains with online features (the frozen target runs in the loop). The drafter is
 written with `save_pretrained` to `--output-dir` (embedding and `lm_head` are the target's and are not saved) at
