@@ -27,8 +27,9 @@ target family's layers without the input norm, the draft head with its mapped ro
 `position_groups` (positions each specialist serves, `PosSConfig.group_sizes`; the plugin maps positions with it), `fc_bias`,
 `shared_context_kv` (recorded; the plugin serves per-specialist KV caches and warns), `draft_vocab_size`,
 `draft_head_rows`, the target's family / hidden size / vocabulary / depth / name / architectures, and the weights
-file's name, size and SHA-256 (checked by the plugin before serving). `model.safetensors` keeps the drafter's own tensor names (`fc.*`, `specialists.{i}.*`, `draft_lm_head.weight`, `draft_head_map.weight`,
-`draft_to_target`, `norm.weight`); the embedding and the target's `lm_head` are not written (vLLM shares the
+file's name, size and SHA-256 (checked by the plugin before serving). `model.safetensors` keeps the drafter's own
+tensor names (`fc.*`, `specialists.{i}.*`, `draft_lm_head.weight`, `draft_head_map.weight`, `draft_to_target`,
+`norm.weight`); the embedding and the target's `lm_head` are not written (vLLM shares the
 target's). `first_specialist=True` writes specialist 0 alone as a one-specialist drafter (to compare against PosS).
 The `poss` block's `speculative_config` (`vllm_speculative_config`) suggests K and, from the drafter's tuned
 `max_batch_size`, vLLM's `num_speculative_tokens_per_batch_size` schedule (no drafting above that batch size).
