@@ -38,7 +38,10 @@ EAGLE-3 drafters (`config.drafter_type == "eagle3"`) predict no target feature: 
 token-level loss alone, `EAGLE3_STEP_DECAY ** j * CE(...)` over the draft vocabulary, averaged over the trained
 positions whose target top-1 token is in the draft vocabulary (SafeAILab/EAGLE `eagle/traineagle3/cnets.py` masks the
 others out; `eagle/traineagle3/main.py` weights step `j` by `0.8 ** j`); `soft_ce_weight` does not apply. The metrics
-(`correct`, `top_k_hits`, `count`) cover every trained position, as for other drafters.
+(`correct`, `top_k_hits`, `count`) cover every trained position, as for other drafters. With the `specforge-eagle3`
+recipe this is SpecForge 0.2.0's TTT and the PosS authors' PosS-E3 TTT (less its attention-mask shift) up to each
+step's normalisation (theirs divides by all `B * L` rows): `tests/test_reference_specforge.py`,
+`tests/test_reference_poss_e3.py`.
 """
 
 from __future__ import annotations
