@@ -48,7 +48,7 @@ def test_losses_and_accuracies_per_step_match_specforge(run):
     assert output.count.tolist() == specforge["loss_mask_rows"]
     assert output.correct.tolist() == specforge["correct"]
     scale = specforge["loss_denominator"] / rows[0]
-    assert float(output.loss) == pytest.approx(specforge["total_loss"] * scale, rel=1e-6, abs=1e-5)
+    assert float(output.loss.detach()) == pytest.approx(specforge["total_loss"] * scale, rel=1e-6, abs=1e-5)
 
 
 def test_gradient_norms_match_specforge(run):
