@@ -109,6 +109,7 @@ def test_a_poss_e3_folder_loads_alone(tmp_path, stem):
     assert config.is_eagle3 and (config.num_specialists, config.positions_per_specialist) == (3, 3)
     assert config.draft_vocab_size == VD and config.fc_bias is False and config.norm_before_residual is False
     assert config.feature_layers is None  # SpecForge names none: the target's depth decides them when bound
+    assert config.shared_context_kv  # one key/value list, as their TTT keeps it (test_reference_poss_e3)
     assert drafter.training_record["source_layout"] == "PosS on EAGLE-3"
     assert drafter.dtype == torch.float32
     state = drafter.state_dict()

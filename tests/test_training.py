@@ -154,18 +154,20 @@ def test_unrolled_attention_pattern():
     assert allowed.sum(-1).tolist() == [1, 2, 3, 4, 5]  # queries t < 2 see only their own draft inputs
 
 
-@pytest.mark.parametrize("family,num_specialists,k,feature_layers", [
-    ("llama", 3, 1, None), ("qwen2", 2, 2, None), ("gemma3", 3, 2, None), ("llama", 2, 2, [0, 1, -1]),
+@pytest.mark.parametrize("family,num_specialists,k,feature_layers,shared", [
+    ("llama", 3, 1, None, False), ("qwen2", 2, 2, None, False), ("gemma3", 3, 2, None, False),
+    ("llama", 2, 2, [0, 1, -1], False), ("llama", 3, 1, None, True), ("qwen2", 2, 2, None, True),
 ])
-def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, feature_layers):
+def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, feature_layers, shared):
     """Step j of the training forward = what `DraftSession`/`draft_chain` computes at draft position j + 1 when the
     drafted tokens are the sequence's own tokens: same layer inputs and positions, same attention, same output
     features (fp32, tolerance 1e-5 relative to the largest feature). With several target layers the fusion is
-    random (not its pass-through initialisation), so both sides must fuse the same states the same way."""
+    random (not its pass-through initialisation), so both sides must fuse the same states the same way. With
+    `shared_context_kv` both sides keep one key/value list for all specialists."""
     target = tiny_target(family)
     torch.manual_seed(3)
     drafter = PosSDrafter.from_target(target, num_specialists=num_specialists, positions_per_specialist=k,
-                                      feature_layers=feature_layers).eval()
+                                      feature_layers=feature_layers, shared_context_kv=shared).eval()
     if drafter.fuse is not None:
         torch.nn.init.normal_(drafter.fuse.weight, std=0.1)
     depth = 5

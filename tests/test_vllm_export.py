@@ -125,6 +125,7 @@ def test_vllm_export_of_the_authors_poss_on_eagle3_checkpoint(tmp_path, capsys):
     poss = config["poss"]
     assert config["architectures"] == ["PosSEagle3LlamaForCausalLM"] and poss["drafter_type"] == "eagle3"
     assert (poss["num_specialists"], poss["positions_per_specialist"], poss["draft_vocab_size"]) == (3, 3, 40)
+    assert poss["shared_context_kv"] is True  # recorded; the plugin does not serve it yet (it warns)
     assert config["transformer_layer_config"]["num_hidden_layers"] == 3
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and poss["target"]["num_hidden_layers"] == 8
     assert poss.get("position_groups") in (None, [3, 3, 3])  # the groups the plugin maps positions with

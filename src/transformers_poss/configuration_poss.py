@@ -96,6 +96,12 @@ class PosSConfig(PretrainedConfig):
             of `hidden` (speculators' option; SafeAILab and SpecForge checkpoints use `False`).
         draft_layer_config (`dict`, *optional*): EAGLE-3 only: the Llama config of the specialist layers (heads, KV
             heads, head dim, MLP width, RMSNorm eps, RoPE); defaults to the target's values.
+        shared_context_kv (`bool`): the specialists share one key/value list, as the PosS authors' SpecForge fork
+            trains its PosS-on-EAGLE-3 drafters: the context's keys/values are those of the specialist of draft
+            position 1, and each draft level adds the keys/values of the specialist that drafts from it. `False`
+            (default): every specialist attends to keys/values of the context and of earlier levels computed with
+            its own weights. Set when such a checkpoint is read (`checkpoints.eagle3`); drafting and training follow
+            it.
     """
 
     model_type = "poss"
@@ -115,6 +121,7 @@ class PosSConfig(PretrainedConfig):
     drafter_type: str = "eagle"
     norm_before_residual: bool = False
     draft_layer_config: dict | None = None
+    shared_context_kv: bool = False
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -311,6 +318,8 @@ class PosSConfig(PretrainedConfig):
                 )
             self.position_groups = list(groups)
         self._check_lora()
+        if not isinstance(self.shared_context_kv, bool):
+            raise ValueError(f"PosSConfig.shared_context_kv must be a bool, got {self.shared_context_kv!r}")
         if self.draft_vocab_size is not None and (
             not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 1
             or (self.vocab_size is not None and self.draft_vocab_size > self.vocab_size)

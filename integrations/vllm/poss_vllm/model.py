@@ -20,7 +20,7 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.llama_eagle3 import LlamaDecoderLayer as Eagle3DecoderLayer
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 
-from . import PosSServingError, check_vllm_version
+from . import PosSServingError, check_vllm_version, logger
 from .config import (check_engine_mode, check_target, check_weights, position_groups, safetensors_names,
                      specialist_for_position)
 
@@ -73,6 +73,11 @@ class _PosSBase:
         check_target(poss, vllm_config.model_config.hf_config)
         self.weights_path = check_weights(speculative.draft_model_config.model, poss)
         self.poss = poss
+        if poss.get("shared_context_kv"):
+            logger.warning(
+                "poss_vllm: this drafter was trained with one key/value list shared by its specialists (the PosS "
+                "authors' PosS-on-EAGLE-3 layout); vLLM serves it with a KV cache per specialist, so acceptance from "
+                "the first position of its second specialist on may be lower than transformers_poss drafts it")
         self.num_specialists = poss["num_specialists"]
         self.position_groups = position_groups(poss)
         # Specialists 0 .. drafting - 1 serve positions 1 .. K; later ones would only write KV nobody reads.

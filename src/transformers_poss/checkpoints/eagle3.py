@@ -63,12 +63,21 @@ the drafter's name contains "poss"), `vllm/run_vllm_eval.py` (7 draft tokens).
   `PosSConfig.specialist_for_position(p) = min((p - 1) // k, n - 1)` is that mapping for every trained position
   `p <= 3n`; later positions, which no layer was trained for (training would index past its layers, their vLLM port
   too), reuse the last layer.
-- Keys and values differ from training: SpecForge's layers share one key/value list (the context's keys are layer
-  0's, from TTT step 0; each later step adds its own layer's), while this library and `poss_vllm` give each
-  specialist keys and values of the context and of earlier draft levels computed with its own weights (the PosS
-  semantics of the EAGLE-2-era release). Drafts stay lossless; acceptance at positions `> 3` may differ from the
-  authors'. (Their vLLM port keeps one KV cache per layer and runs layers `> 0` on draft steps only, so those read
-  context slots they never wrote.)
+- Keys and values as trained: their TTT (`core/poss_eagle3.py`, sdpa backend) keeps ONE key/value list
+  `cache_hidden` for all layers: step 0 (layer 0) appends the keys/values of every position, which are the
+  context's and are never recomputed; step `j` appends those its own layer `j // 3` computes from its inputs (the
+  draft token and the previous step's pre-norm output, not detached); each layer has its own three norms, `fc`,
+  the final `norm` and `lm_head` are shared. The converted config records this as `shared_context_kv=True`, which
+  drafting and training follow (the native PosS semantics, keys/values of the context and of earlier levels with
+  each specialist's own weights, is `False`). (Their vLLM port keeps one KV cache per layer and runs layers `> 0`
+  on draft steps only, so those read context slots they never wrote.)
+- RoPE as trained: the fork's attention (`LlamaAttention._init_rope` in `llama3_poss_eagle.py`) builds its rotary
+  embedding with the default base 10000 whatever `config.json` says (`rope_theta` is never passed; the `llama3`
+  scaling type maps to the same unscaled embedding), so these checkpoints load with base 10000 and no scaling
+  (`configs/llama3-8B-eagle3.json`, which their Llama-3.1 run saves, says 500000 with `llama3` scaling).
+- Their TTT also shifts the attention mask after each step (SafeAILab's EAGLE-3 training mask: step `j` of row `u`
+  sees the context up to `u - j`, not `u`), which no drafting reproduces and this library's training does not
+  either (tests/fixtures/reference/README.md).
 
 **Conversion.** Layer `i` becomes `specialists.{i}` unchanged; `fc`, `norm` keep their names; `lm_head` becomes
 `draft_lm_head`; the offsets `d2t` become absolute target ids `draft_to_target = arange(Vd) + d2t` (checked against
@@ -108,6 +117,7 @@ EAGLE3_PRESETS = {
 # What the authors' SpecForge fork saves (module docstring): the class name, and its fixed positions per layer.
 POSS_EAGLE3_ARCHITECTURE = "LlamaForCausalLMPosSEagle3"
 POSS_EAGLE3_POSITIONS_PER_LAYER = 3
+POSS_EAGLE3_ROPE_THETA = 10000.0  # the fork's RoPE base, whatever config.json says (module docstring)
 LAYOUT_NAMES = {
     "safeailab": "EAGLE-3 (SafeAILab)", "specforge": "EAGLE-3 (SpecForge / SpecBundle)",
     "speculators": "speculators (eagle3)", "poss_eagle3": "PosS on EAGLE-3",
@@ -169,7 +179,9 @@ def stacked_layers(state: dict, prefixes: list[str], hidden_size: int) -> list[i
 
 
 # ---- the native config ------------------------------------------------------------------------------------------
-def _layer_fields(checkpoint: ResearchCheckpoint, speculators: bool) -> dict:
+def _layer_fields(checkpoint: ResearchCheckpoint, speculators: bool, authors_rope: bool = False) -> dict:
+    """The specialist layers' Llama config; with `authors_rope`, the RoPE the authors' fork trains with (module
+    docstring) instead of the one `config.json` names."""
     raw = checkpoint.config.get("transformer_layer_config") if speculators else checkpoint.config
     if not isinstance(raw, dict):
         raise ValueError(f"{checkpoint.source}: a speculators config.json needs a transformer_layer_config object")
@@ -186,6 +198,9 @@ def _layer_fields(checkpoint: ResearchCheckpoint, speculators: bool) -> dict:
     from transformers import LlamaConfig
 
     fields = {k: raw[k] for k in EAGLE3_LAYER_KEYS if raw.get(k) is not None}
+    if authors_rope:
+        fields = {k: v for k, v in fields.items() if k not in ("rope_parameters", "rope_theta", "rope_scaling")}
+        fields["rope_theta"] = POSS_EAGLE3_ROPE_THETA
     if isinstance(fields.get("rope_scaling"), dict):
         fields["rope_scaling"] = dict(fields["rope_scaling"])
     llama = LlamaConfig(**fields).to_dict()
@@ -214,7 +229,8 @@ def eagle3_poss_config(checkpoint: ResearchCheckpoint, num_specialists: int | No
         raise ValueError(
             f"{checkpoint.source} is a speculators {config['speculators_model_type']!r} drafter; only eagle3 ones load"
         )
-    layer = _layer_fields(checkpoint, speculators)
+    authors = not speculators and _layout(checkpoint) == "poss_eagle3"  # trained with the authors' fork
+    layer = _layer_fields(checkpoint, speculators, authors_rope=authors)
     hidden = layer["hidden_size"]
     if config.get("target_hidden_size") not in (None, hidden):
         raise ValueError(
@@ -251,7 +267,7 @@ def eagle3_poss_config(checkpoint: ResearchCheckpoint, num_specialists: int | No
         feature_layers=list(feature_layers) if feature_layers is not None else None,
         num_specialists=found, positions_per_specialist=positions_per_specialist,
         fc_bias="fc.bias" in checkpoint.state_dict,
-        norm_before_residual=bool(config.get("norm_before_residual", False)),
+        norm_before_residual=bool(config.get("norm_before_residual", False)), shared_context_kv=authors,
         draft_vocab_size=config.get("draft_vocab_size") or layer["vocab_size"], **overrides,
     )
 

@@ -25,10 +25,11 @@ target family's layers without the input norm, the draft head with its mapped ro
 `transformer_layer_config` holding one layer per specialist (`num_hidden_layers = num_specialists`) and a `poss` block
 (`VLLM_FORMAT`, version `VLLM_FORMAT_VERSION`): drafter type, `num_specialists`, `positions_per_specialist`,
 `position_groups` (positions each specialist serves, `PosSConfig.group_sizes`; the plugin maps positions with it), `fc_bias`,
-`draft_vocab_size`, `draft_head_rows`, the target's family / hidden size / vocabulary / depth / name / architectures,
-and the weights file's name, size and SHA-256 (checked by the plugin before serving). `model.safetensors` keeps the
-drafter's own tensor names (`fc.*`, `specialists.{i}.*`, `draft_lm_head.weight`, `draft_head_map.weight`,
-`draft_to_target`, `norm.weight`); the embedding and the target's `lm_head` are not written (vLLM shares the
+`shared_context_kv` (recorded; the plugin serves per-specialist KV caches and warns), `draft_vocab_size`,
+`draft_head_rows`, the target's family / hidden size / vocabulary / depth / name / architectures, and the weights
+file's name, size and SHA-256 (checked by the plugin before serving). `model.safetensors` keeps the drafter's own
+tensor names (`fc.*`, `specialists.{i}.*`, `draft_lm_head.weight`, `draft_head_map.weight`, `draft_to_target`,
+`norm.weight`); the embedding and the target's `lm_head` are not written (vLLM shares the
 target's). `first_specialist=True` writes specialist 0 alone as a one-specialist drafter (to compare against PosS).
 The `poss` block's `speculative_config` (`vllm_speculative_config`) suggests K and, from the drafter's tuned
 `max_batch_size`, vLLM's `num_speculative_tokens_per_batch_size` schedule (no drafting above that batch size).
@@ -331,6 +332,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
         "position_groups": config.group_sizes[:num_specialists],
         "first_specialist_only": bool(first_specialist and config.num_specialists > 1),
         "fc_bias": bool(config.fc_bias),
+        "shared_context_kv": bool(config.shared_context_kv),
         "draft_vocab_size": config.draft_vocab_size,
         "draft_head_rows": config.draft_head_rows,
         "target": {

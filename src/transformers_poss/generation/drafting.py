@@ -8,7 +8,10 @@ Positions. The target has processed tokens `x_0 .. x_{L-2}` and produced feature
 
 Caches. The layer inputs `fc(...)` of the committed context are stored once. Specialist `s` keeps its own keys and
 values (layer `s` of a `DraftKVCache`), caught up lazily over the context the first time a round reaches it, then
-the draft levels of the current round on top; `end_round` forgets the draft levels.
+the draft levels of the current round on top; `end_round` forgets the draft levels. With
+`config.shared_context_kv` the specialists share one layer instead: the context's keys/values are written by the
+specialist of draft position 1 and each level's nodes by the specialist that runs them, once (the PosS authors'
+PosS-on-EAGLE-3 drafters were trained so).
 
 Batches. A session drafts for `B` rows at once (one specialist forward per depth for all rows); a single prompt is a
 batch of one. Row `b` has its own committed length `S_b`; its context sits in slots `0 .. S_b - 1` of every buffer
@@ -53,9 +56,12 @@ class DraftKVCache:
     `keys`/`values` `[B, H_kv, q, D]`: query `j` of row `b` is written at slot `slots + j` (an int, the same for every
     row) or `slots[b, j]` (a `[B, q]` tensor), as set by `write_at`; it returns the first `width` slots of the layer
     `[B, H_kv, width, D]` (views). One slot past `width` is kept for writes that nothing reads (padded queries).
+    With `shared`, every `layer_idx` reads and writes the one layer it holds.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, shared: bool = False):
+        self.shared = shared
+        num_layers = 1 if shared else num_layers
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.slots: int | torch.Tensor = 0
@@ -66,6 +72,7 @@ class DraftKVCache:
         self.slots, self.width = slots, width
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        layer_idx = 0 if self.shared else layer_idx
         self.keys[layer_idx] = keys = _grown(self.keys[layer_idx], self.width + 1, key_states, dim=-2)
         self.values[layer_idx] = values = _grown(self.values[layer_idx], self.width + 1, value_states, dim=-2)
         if isinstance(self.slots, int):
@@ -90,15 +97,16 @@ class DraftSession:
 
     def __init__(self, drafter: PosSDrafter, batch_size: int = 1):
         self.drafter = drafter
-        n = drafter.config.num_specialists
+        self.shared = drafter.config.shared_context_kv
+        n = 1 if self.shared else drafter.config.num_specialists  # caches kept (one per specialist, or one shared)
         self.batch_size = batch_size
-        self.cache = DraftKVCache(n)
+        self.cache = DraftKVCache(n, shared=self.shared)
         self.lengths = [0] * batch_size  # S_b: committed positions of each row
         self._lengths_tensor: torch.Tensor | None = None  # the same `[B, 1]`, on the drafter's device
         self._context_inputs: torch.Tensor | None = None  # [B, >= max S_b, layer_input_size] committed layer inputs
-        self.context_cached: list[list[int] | None] = [None] * n  # each specialist's context positions per row
-        self.nodes_cached = [0] * n  # round nodes in each specialist's cache
-        self.context_features: list[torch.Tensor | None] = [None] * n  # each specialist's output at S_b - 1 [B, H]
+        self.context_cached: list[list[int] | None] = [None] * n  # each cache's context positions per row
+        self.nodes_cached = [0] * n  # round nodes in each cache
+        self.context_features: list[torch.Tensor | None] = [None] * n  # output at S_b - 1 [B, H] of each cache's run
         self.node_count = 0  # N: round nodes fed so far (per row)
         self._node_inputs: torch.Tensor | None = None  # [B, >= N, layer_input_size]
         self._node_positions: torch.Tensor | None = None  # [B, >= N]
@@ -211,12 +219,14 @@ class DraftSession:
 
         Returns:
             (feature predicted at each row's last context position `[B, H]`, predicted features of the round nodes
-            it had not yet run `[B, n_new_nodes, H]`).
+            it had not yet run `[B, n_new_nodes, H]`). With a shared cache, "it" is whichever specialist ran last:
+            the context's feature is the one of the specialist that caught the cache up over the context.
         """
         S, M, N = self.lengths, self.context_length, self.node_count
-        cached, r = self.context_cached[specialist] or [0] * self.batch_size, self.nodes_cached[specialist]
+        slot = 0 if self.shared else specialist  # whose bookkeeping: the shared cache's or the specialist's
+        cached, r = self.context_cached[slot] or [0] * self.batch_size, self.nodes_cached[slot]
         if cached == S and r == N:  # already up to date (a second draft on the same context)
-            return self.context_features[specialist], self._context_inputs[:, :0]
+            return self.context_features[slot], self._context_inputs[:, :0]
         dtype, device = self._context_inputs.dtype, self._context_inputs.device
         minimum = torch.finfo(dtype).min
         if cached == S:  # the common case: only this round's new nodes, in slots M + r .. M + N - 1 of every row
@@ -247,11 +257,11 @@ class DraftSession:
             mask = context_mask
         self.cache.write_at(slots, M + N)
         out = self.drafter.run_specialist(specialist, queries, positions, mask[:, None], self.cache, M + N)
-        self.context_cached[specialist], self.nodes_cached[specialist] = list(S), N
+        self.context_cached[slot], self.nodes_cached[slot] = list(S), N
         if new:
             last = torch.tensor([n - 1 for n in counts], device=device)
-            self.context_features[specialist] = out[torch.arange(self.batch_size, device=device), last]
-        return self.context_features[specialist], out[:, new:]
+            self.context_features[slot] = out[torch.arange(self.batch_size, device=device), last]
+        return self.context_features[slot], out[:, new:]
 
 
 @dataclass

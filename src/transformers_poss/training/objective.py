@@ -16,6 +16,10 @@ context is positions `0 .. t-j` (so `S = t - j + 1`) and whose draft levels `1 .
   `0 .. j` computed with that specialist's own weights, under the mask
   `allowed[t, (i, s)] = (i == 0 and s <= t - j) or (i >= 1 and s == t - j + i)`.
 
+With `config.shared_context_kv` (the PosS authors' PosS-on-EAGLE-3 drafters) the specialists share one key/value
+list instead: set 0's keys/values are computed by the step-0 specialist and set `i`'s by the step-`i` specialist,
+each once, as their SpecForge fork's TTT keeps them (`cache_hidden`).
+
 That is, position by position, what `DraftSession` feeds the same specialist at depth `j + 1` (test:
 `tests/test_training.py::test_unrolled_steps_equal_inference_drafting`). Queries with `t < j` have no committed
 context and are not trained. Attention is dense over the `(j + 1) * T` keys (SDPA/eager with an additive mask);
@@ -34,7 +38,10 @@ EAGLE-3 drafters (`config.drafter_type == "eagle3"`) predict no target feature: 
 token-level loss alone, `EAGLE3_STEP_DECAY ** j * CE(...)` over the draft vocabulary, averaged over the trained
 positions whose target top-1 token is in the draft vocabulary (SafeAILab/EAGLE `eagle/traineagle3/cnets.py` masks the
 others out; `eagle/traineagle3/main.py` weights step `j` by `0.8 ** j`); `soft_ce_weight` does not apply. The metrics
-(`correct`, `top_k_hits`, `count`) cover every trained position, as for other drafters.
+(`correct`, `top_k_hits`, `count`) cover every trained position, as for other drafters. With the `specforge-eagle3`
+recipe this is SpecForge 0.2.0's TTT and the PosS authors' PosS-E3 TTT (less its attention-mask shift) up to each
+step's normalisation (theirs divides by all `B * L` rows): `tests/test_reference_specforge.py`,
+`tests/test_reference_poss_e3.py`.
 """
 
 from __future__ import annotations
@@ -173,8 +180,8 @@ def unrolled_forward(
             step_features = torch.cat((torch.zeros_like(previous[:, :1]), previous[:, :-1]), dim=1)
         layer_inputs = drafter.project(next_tokens, step_features)
         specialist = config.specialist_for_position(step + 1)
-        store = stores.setdefault(specialist, _KVSets())
-        if store.sets < step:
+        store = stores.setdefault(0 if config.shared_context_kv else specialist, _KVSets())
+        if store.sets < step:  # a specialist of its own keys/values that joins late (never with a shared list)
             _record_sets(drafter, specialist, sets[store.sets: step], store)
         sets.append(layer_inputs)
         mask = additive_mask(unrolled_allowed(length, step, layer_inputs.device), layer_inputs.dtype)
