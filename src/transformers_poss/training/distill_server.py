@@ -24,7 +24,7 @@ another model than the target, as far as the API shows it:
    server with a smaller vocabulary); else of the prompt as text, whose token count (`usage.prompt_tokens`) must be
    the target tokenizer's.
 Weights cannot be compared through the API: a model with the target's tokenizer passes. Compare a few answers with
-`poss distill` without `--server` (docs/benchmarks/distill-server/measure.py counts the identical ones).
+`poss distill` without `--server` (benchmarks/distill-server/measure.py counts the identical ones).
 
 A request that fails (no connection, time-out, HTTP 408/429/5xx, an answer that is not JSON) is retried with
 exponential backoff; a record whose request still fails, or is refused (other HTTP 4xx), is counted by reason

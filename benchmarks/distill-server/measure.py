@@ -1,8 +1,8 @@
 """Self-distillation throughput: `poss distill` with transformers' batched `generate` against a vLLM server.
 
-    python docs/benchmarks/distill-server/measure.py --target $(poss fetch-target) \
+    python benchmarks/distill-server/measure.py --target $(poss fetch-target) \
         --prompts ../shared/data/specbench/mt_bench.jsonl --limit 64 --max-new-tokens 256 \
-        --batch-sizes 16 32 --concurrency 8 32 --output-dir docs/benchmarks/distill-server/run
+        --batch-sizes 16 32 --concurrency 8 32 --output-dir benchmarks/distill-server/run
 
 Run with the main environment's python (transformers_poss installed). It starts `vllm serve TARGET` (fp32, eager,
 on the loopback) with `--vllm` (default: .venv-vllm/bin/vllm, which `bash scripts/vllm_env.sh` builds) unless
