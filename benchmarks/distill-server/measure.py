@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def load_prompts(path: str, limit: int) -> list[dict]:
