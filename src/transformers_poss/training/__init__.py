@@ -50,6 +50,8 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples; `--t
     #   --resume latest        (or --resume runs/poss2/checkpoints/step-00001000)
     # many GPUs / nodes, unchanged code:
     accelerate launch --num_processes 8 examples/train_poss.py --target ... --features ... --output-dir ...
+    # a target larger than one device: split it (features, online training; docs/training.md, "Training at scale")
+    poss features --target models/llama-70b --data $DATA --output features/70b --target-device-map auto
 
 Precision. `--mixed-precision bf16` (default) and `--target-dtype bfloat16` suit GPUs and CPUs with AVX-512 BF16.
 On CPUs without it (e.g. AMD Zen 3: no avx512 flags in /proc/cpuinfo) bf16 matmuls are emulated and several times
