@@ -26,9 +26,9 @@ OFFLOAD_DEVICES = ("cpu", "disk")
 ACCELERATOR_TYPES = ("cuda", "xpu", "mps", "npu", "mlu", "hpu")
 
 
-def parse_placement(device_map: str | dict | None, max_memory: str | dict | None) -> tuple[str | dict | None,
-                                                                                          dict | None]:
-    """(`parse_device_map(device_map)`, `parse_max_memory(max_memory)`); `ValueError` for a budget without a map."""
+def parse_placement(device_map: str | dict | None, max_memory: str | dict | None):
+    """`--target-device-map` and `--target-max-memory` as (`parse_device_map(device_map)`,
+    `parse_max_memory(max_memory)`); `ValueError` for a budget without a map."""
     if max_memory is not None and device_map is None:
         raise ValueError(f"{MAX_MEMORY_OPTION} sizes a split target: give {DEVICE_MAP_OPTION} (auto or a map) too")
     return parse_device_map(device_map), parse_max_memory(max_memory)
@@ -110,7 +110,7 @@ def _device(value, option: str) -> int | str:
     if (kind and (accelerator is None or kind != accelerator.type)) or int(index) >= count:
         here = ", ".join(["cpu", "disk"] + [f"{accelerator.type}:{i}" for i in range(count)])
         raise ValueError(f"{option}: device {value!r} does not exist on this machine (devices here: {here})")
-    return int(index)
+    return "mps" if kind == "mps" else int(index)  # accelerate names Apple's GPU "mps", the others by index
 
 
 def plan_device_map(path: str | Path, dtype: torch.dtype, device_map: str | dict,
@@ -232,22 +232,19 @@ def resident_embeddings(model, device: torch.device | str) -> list[str]:
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
         offloaded = [(name, weight) for name, weight in module.named_parameters(recurse=False)
                      if weight.device.type == "meta"]
-        if not offloaded or names[id(module)] in moved:
+        if not offloaded:
             continue
-        hook = getattr(module, "_hf_hook", None)
-        weights_map = getattr(hook, "weights_map", None)
+        weights_map = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
         if weights_map is None:
             raise ValueError(f"{names[id(module)]} of the target has no weights loaded and no offload to read them "
                              f"from: place it on a device in {DEVICE_MAP_OPTION}")
-        values = {name: resident.get(id(weight)) for name, weight in offloaded}
-        values = {name: value if value is not None else weights_map[name] for name, value in values.items()}
+        values = {name: weights_map[name] for name, weight in offloaded if id(weight) not in resident}
         remove_hook_from_module(module)
-        for (name, weight), value in zip(offloaded, values.values()):
-            if id(weight) in resident:
-                module._parameters[name] = resident[id(weight)]
-            else:
-                set_module_tensor_to_device(module, name, device, value=value)
+        for name, weight in offloaded:
+            if id(weight) not in resident:
+                set_module_tensor_to_device(module, name, device, value=values[name])
                 resident[id(weight)] = module._parameters[name]
+            module._parameters[name] = resident[id(weight)]
         add_hook_to_module(module, AlignDevicesHook(execution_device=device))
         moved.append(names[id(module)])
     return moved

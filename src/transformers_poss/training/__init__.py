@@ -58,6 +58,8 @@ A real training run (SmolLM2-135M-Instruct on ShareGPT; paths are examples; `--t
     torchrun --nproc_per_node 2 examples/train_poss.py ...    # no GPU: 2 CPU processes, one gloo group
     # (`accelerate launch --cpu --num_processes N` starts one process; it is refused: use torchrun, or
     #  `accelerate launch --multi_gpu --num_processes N`, which also forms a CPU group without GPUs)
+    # a target larger than one device: split it (features, online training; docs/training.md, "Training at scale")
+    poss features --target models/llama-70b --data $DATA --output features/70b --target-device-map auto
 
 Precision. `--mixed-precision bf16` (default) and `--target-dtype bfloat16` suit GPUs and CPUs with AVX-512 BF16.
 On CPUs without it (e.g. AMD Zen 3: no avx512 flags in /proc/cpuinfo) bf16 matmuls are emulated and several times
