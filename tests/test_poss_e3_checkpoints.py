@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from test_batches import left_padded
 from tiny_models import DEVICE, fitted_drafter, prompts, tiny_target
 from transformers_poss import PosSDrafter
 from transformers_poss.generation.drafting import DraftSession, draft_chain
@@ -157,7 +158,7 @@ def test_positions_map_to_layers_as_the_authors_train(tmp_path, ttt_length):
 def test_a_poss_e3_folder_drafts_losslessly(tmp_path):
     """fp32 greedy: a PosS-E3 folder (3 layers, fitted briefly to a tiny target, full draft vocabulary, written in
     the authors' layout) loaded with no argument drafts inside `generate` to plain `generate`'s tokens, tree and
-    chain, 7 positions."""
+    chain, 7 positions, one prompt or a batch."""
     target = tiny_target("llama", num_hidden_layers=TARGET_LAYERS)
     fitted = fitted_drafter(target, num_specialists=3, positions_per_specialist=3, steps=30, drafter_type="eagle3")
     folder = write_poss_e3(tmp_path / "e3", native_as_poss_e3(fitted), specforge_config(draft_vocab_size=V))
@@ -174,6 +175,10 @@ def test_a_poss_e3_folder_drafts_losslessly(tmp_path):
             accepted += sum(out.speculative_stats.acceptance_lengths)
     assert drafter.config.feature_layers == [2, 4, 5]  # from the target it was bound to
     assert accepted > 0
+    # A left-padded batch of rows of different lengths: one shared key/value list per row, rows written alike.
+    batch = left_padded(prompts(V, 3))
+    plain = target.generate(**batch, max_new_tokens=24, do_sample=False)
+    assert torch.equal(target.generate(**batch, max_new_tokens=24, do_sample=False, assistant_model=drafter), plain)
 
 
 def _stacked(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
