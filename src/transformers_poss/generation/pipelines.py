@@ -29,10 +29,11 @@ def names_poss_drafter(name_or_path: str) -> bool:
 
 def _poss_load_assistant_model(model, assistant_model, assistant_tokenizer):
     """`load_assistant_model` with a PosS drafter: checked against the pipeline's model before any work."""
-    if isinstance(assistant_model, str) and names_poss_drafter(assistant_model):
-        assistant_model = PosSDrafter.from_pretrained(assistant_model)
-    if is_poss_drafter(assistant_model) and model.can_generate():
-        assistant_model.check_compatible(model)
+    if model.can_generate():  # else transformers ignores the assistant
+        if isinstance(assistant_model, str) and names_poss_drafter(assistant_model):
+            assistant_model = PosSDrafter.from_pretrained(assistant_model)
+        if is_poss_drafter(assistant_model):
+            assistant_model.check_compatible(model)
     return _original["load_assistant_model"](model, assistant_model, assistant_tokenizer)
 
 
