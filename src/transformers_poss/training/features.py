@@ -128,9 +128,10 @@ def extract_features(
     with open(manifest_path, "w") as handle:
         json.dump({**manifest, "complete": False}, handle, indent=2)
 
-    ids = datasets.Sequence(datasets.Value("int32"))
+    sequence, value = datasets.Sequence, datasets.Value
     schema = datasets.Features({
-        "input_ids": ids, "loss_mask": datasets.Sequence(datasets.Value("int8")), "target_argmax": ids,
+        "input_ids": sequence(value("int32")), "loss_mask": sequence(value("int8")),
+        "target_argmax": sequence(value("int32")),
         "features": datasets.Array2D(shape=(None, len(feature_layers) * hidden), dtype="uint16"),
     })
     device = execution_device(target.get_input_embeddings())  # a split target's first module may be offloaded
