@@ -158,7 +158,7 @@ def test_poss_tune_writes_the_budget_and_its_record_only(fitted_pairs, tmp_path,
     assert set(measured) == {0, 10} and all(speedup > 0 for speedup in measured.values())
     assert records[kind]["lookup_speedups"] == {"0": 1.1, "10": 1.4}
     assert settings["device_budgets"]["cuda:Other GPU/bfloat16"] == {"tree_depth": 5}
-    assert settings["default_budget"] == drafter.generation_config.default_budget  # the default budget stays
+    assert settings["tree_depth"] == drafter.generation_config.default_budget["tree_depth"]  # the default budget stays
     assert all((tmp_path / "drafter" / name).read_bytes() == data for name, data in untouched.items())
 
 

@@ -139,8 +139,9 @@ def _check_args(args) -> None:
     if not args.no_plots:
         try:
             require_matplotlib("poss bench's plots")
-        except ImportError as error:
-            raise RuntimeError(f"{error}, or pass --no-plots") from None
+        except ImportError:
+            raise RuntimeError('poss bench\'s plots needs matplotlib: pip install "transformers-poss[bench]", or pass '
+                               "--no-plots") from None
 
 
 def run_bench(args) -> int:
