@@ -25,15 +25,16 @@ def fit_drafter_to_sequences(target, drafter, sequences, prompt_lengths=None, st
             start = 0 if prompt_lengths is None else max(prompt_lengths[index] - 2, 0)
             data.append((seq, out.hidden_states[-1].float(), out.logits.argmax(-1), start))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
+    bound = drafter.bind(target, move=False)
     drafter.train()
     try:
         for step in range(steps):
             seq, features, target_next, start = data[step % len(data)]
             loss = 0.0
             for specialist in range(drafter.config.num_specialists):
-                pred = drafter(seq[:, 1:], features[:, :-1].to(drafter.dtype), specialist=specialist)
+                pred = bound(seq[:, 1:], features[:, :-1].to(drafter.dtype), specialist=specialist)
                 kept = pred.features[0, start:]
-                logits = drafter.logits(kept).float()
+                logits = bound.logits(kept).float()
                 # position i holds (x_{i+1}, f_i): its prediction names the target's choice after x_{i+1}
                 loss = loss + torch.nn.functional.cross_entropy(logits, target_next[0, 1 + start:])
                 loss = loss + torch.nn.functional.smooth_l1_loss(kept.float(), features[0, 1 + start:])

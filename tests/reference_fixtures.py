@@ -30,8 +30,7 @@ def load_pair(folder: str) -> tuple[LlamaForCausalLM, PosSDrafter]:
     """The fixture target (fp32, CPU) and the drafter read from `folder` with `from_pretrained`, bound to it."""
     target = LlamaForCausalLM.from_pretrained(FIXTURES / "target", dtype=torch.float32).eval()
     drafter = PosSDrafter.from_pretrained(FIXTURES / folder, target=target, dtype=torch.float32)
-    drafter.bind_target(target)
-    return target, drafter
+    return target, drafter.bind(target)
 
 
 @torch.no_grad()
@@ -55,12 +54,12 @@ def library_ttt(drafter, target, depth: int) -> tuple[list[torch.Tensor], object
     input_ids, loss_mask = tensors["input_ids"], tensors["loss_mask"]
     features = target_features(target, drafter, input_ids)
     with torch.no_grad():
-        predictions = unrolled_forward(drafter, input_ids, features, depth)
+        predictions = unrolled_forward(drafter, input_ids, features, depth)  # `drafter`: bound
         logits = [drafter.logits(p)[:, step:] for step, p in enumerate(predictions)]
     recipe = recipe_for(drafter.config.drafter_type)
     assert recipe.depth == depth and recipe.noise == 0
     drafter.zero_grad(set_to_none=True)
-    objective = UnrolledObjective(drafter, depth, detach_fed_back=recipe.detach_fed_back, loss_rows=recipe.loss_rows)
+    objective = UnrolledObjective(drafter.drafter, target, depth, detach_fed_back=recipe.detach_fed_back, loss_rows=recipe.loss_rows)
     output = objective(input_ids, features, loss_mask)
     output.loss.backward()
     norms = {name: float(p.grad.norm()) for name, p in drafter.named_parameters() if p.grad is not None}

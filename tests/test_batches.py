@@ -205,8 +205,8 @@ def test_one_batched_draft_equals_each_row_drafted_alone(fitted_pairs, family):
     chunks = [[(0, n) for n in first], [(n, n + k) for n, k in zip(first, (1, 3, 2))],
               [(n + k, row.shape[1]) for n, k, row in zip(first, (1, 3, 2), rows)]]
     depth_rounds = [[4, 4, 4], [3, 1, 4], [0, 4, 2]]
-    alone = [DraftSession(drafter) for _ in rows]
-    together = DraftSession(drafter, batch_size=len(rows))
+    alone = [DraftSession(drafter.bind(target)) for _ in rows]
+    together = DraftSession(drafter.bind(target), batch_size=len(rows))
     for chunk, depths in zip(chunks, depth_rounds):
         together.commit_rows([f[a:b] for f, (a, b) in zip(features, chunk)],
                              [t[a:b] for t, (a, b) in zip(next_tokens, chunk)])

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tiny_models import DEVICE, fitted_drafter, prompts, tiny_target
-from transformers_poss import PosSConfig, PosSDrafter
+from transformers_poss import PosSConfig, PosSDrafter, PosSEagle3Config
 from transformers_poss.generation.drafting import DraftSession, draft_chain
 from transformers_poss.training import unrolled_forward
 
@@ -79,7 +79,8 @@ def test_eagle3_layer_matches_the_reference_equations():
         with torch.no_grad():
             out = target(ids, output_hidden_states=drafter.config.input_feature_layers)
             hidden = drafter.fc(torch.cat([out.hidden_states[i] for i in (2, 4, 5)], dim=-1))
-            got = drafter(ids, drafter.fuse_features(drafter.target_features(out.hidden_states)), return_logits=True)
+            got = drafter.bind(target)(ids, drafter.fuse_features(drafter.target_features(out.hidden_states)),
+                                       return_logits=True)
             embeds = target.get_input_embeddings()(ids)
             normed = layer.hidden_norm(hidden)
             attention_input = torch.cat((layer.input_layernorm(embeds), normed), dim=-1)
@@ -99,7 +100,7 @@ def test_eagle3_unrolled_steps_equal_inference_drafting(num_specialists, k):
     target = eagle3_target("llama")
     torch.manual_seed(3)
     drafter = PosSDrafter.from_target(target, drafter_type="eagle3", num_specialists=num_specialists,
-                                      positions_per_specialist=k).eval()
+                                      positions_per_specialist=k).eval().bind(target)
     depth = 4
     ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     with torch.no_grad():
@@ -161,9 +162,9 @@ def _llama_fields(drafter: PosSDrafter, layers: int) -> dict:
     }
 
 
-def write_layout(drafter: PosSDrafter, folder, layout: str) -> dict:
+def write_layout(drafter: PosSDrafter, folder, layout: str, target=None) -> dict:
     """Write `drafter` as a checkpoint of a published layout (tensor names, shapes and config fields as the
-    references save them); returns the tensors written."""
+    references save them; a speculators folder stores `target`'s embedding); returns the tensors written."""
     import json
 
     from safetensors.torch import save_file
@@ -194,7 +195,7 @@ def write_layout(drafter: PosSDrafter, folder, layout: str) -> dict:
         config["architectures"] = ["LlamaForCausalLMEagle3" if layout == "specforge" else "LlamaForCausalLMPosSEagle3"]
         save_file(tensors, str(folder / "model.safetensors"))
     else:
-        tensors["embed_tokens.weight"] = drafter.bound_target.get_input_embeddings().weight.detach().cpu().clone()
+        tensors["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().cpu().clone()
         config = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
             "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -215,7 +216,7 @@ def random_eagle3(target, num_specialists=1, norm_before_residual=False, seed=5)
     drafter = PosSDrafter.from_target(target, drafter_type="eagle3", draft_vocab_size=40,
                                       num_specialists=num_specialists, positions_per_specialist=2,
                                       norm_before_residual=norm_before_residual)
-    drafter.init_draft_vocab(torch.randperm(96)[:40].sort().values)
+    drafter.bind(target).init_draft_vocab(torch.randperm(96)[:40].sort().values)
     for name, param in drafter.named_parameters():
         if name.endswith("norm.weight"):
             torch.nn.init.uniform_(param, 0.5, 1.5)
@@ -223,17 +224,18 @@ def random_eagle3(target, num_specialists=1, norm_before_residual=False, seed=5)
 
 
 def first_specialist(drafter: PosSDrafter) -> PosSDrafter:
-    """A one-specialist copy of `drafter` (its specialist 0 and shared weights), bound to the same target."""
+    """A one-specialist copy of `drafter` (its specialist 0 and shared weights)."""
     config = copy.deepcopy(drafter.config)
     config.num_specialists = config.positions_per_specialist = 1
     single = PosSDrafter(config)
     single.load_state_dict({k: v for k, v in drafter.state_dict().items()
                             if not k.startswith("specialists.") or k.startswith("specialists.0.")})
-    return single.bind_target(drafter.bound_target).eval()
+    return single.eval()
 
 
 def assert_same_drafter(a: PosSDrafter, b: PosSDrafter, target):
     """Same draft distributions over target ids for every specialist, same fused inputs."""
+    a, b = a.bind(target), b.bind(target)
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     with torch.no_grad():
         out = target(ids, output_hidden_states=a.config.input_feature_layers)
@@ -255,12 +257,12 @@ def test_published_layouts_load_exactly(layout, family, tmp_path):
     target = eagle3_target(family)
     specialists = 2 if layout == "poss_eagle3" else 1
     source = random_eagle3(target, specialists, norm_before_residual=layout == "speculators")
-    write_layout(source, tmp_path / layout, layout)
+    write_layout(source, tmp_path / layout, layout, target)
     options = {} if layout == "speculators" else {"target": target}
     if layout == "poss_eagle3":
         options["positions_per_specialist"] = 2
-    loaded = PosSDrafter.from_pretrained(tmp_path / layout, **options).bind_target(target)
-    assert loaded.config.is_eagle3 and loaded.config.num_specialists == specialists
+    loaded = PosSDrafter.from_pretrained(tmp_path / layout, **options).bind(target)
+    assert isinstance(loaded.config, PosSEagle3Config) and loaded.config.num_specialists == specialists
     assert loaded.training_record["source_layout"].startswith(
         {"safeailab": "EAGLE-3 (SafeAILab)", "specforge": "EAGLE-3 (SpecForge", "speculators": "speculators",
          "poss_eagle3": "PosS on EAGLE-3"}[layout])
@@ -270,7 +272,7 @@ def test_published_layouts_load_exactly(layout, family, tmp_path):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_loaded_layouts_draft_losslessly(layout, tmp_path):
     target, fitted = fitted_eagle3("llama")
-    write_layout(fitted if layout == "poss_eagle3" else first_specialist(fitted), tmp_path / layout, layout)
+    write_layout(fitted if layout == "poss_eagle3" else first_specialist(fitted), tmp_path / layout, layout, target)
     options = {} if layout == "speculators" else {"num_target_layers": LAYERS}
     if layout == "poss_eagle3":
         options["positions_per_specialist"] = 2
@@ -345,7 +347,7 @@ def test_wrong_target_and_stacked_drafters_are_refused(tmp_path):
     loaded = PosSDrafter.from_pretrained(tmp_path / "sf", num_target_layers=LAYERS)
     with pytest.raises(ValueError, match="vocab_size"):  # bound before any drafting
         other.generate(prompts(96, 1)[0], max_new_tokens=4, do_sample=False, assistant_model=loaded)
-    write_layout(source, tmp_path / "spec", "speculators")
+    write_layout(source, tmp_path / "spec", "speculators", target)
     with pytest.raises(ValueError, match="embedding that differs"):
         PosSDrafter.from_pretrained(tmp_path / "spec", target=tiny_target("llama", num_hidden_layers=LAYERS, seed=9))
     # A stacked speculators drafter: a second layer reading H (not 2H).
@@ -372,7 +374,7 @@ def test_convert_cli_writes_a_native_folder(tmp_path):
     target.save_pretrained(tmp_path / "target")
     assert cli.main(["convert", str(tmp_path / "sf"), str(tmp_path / "native"), "--target",
                      str(tmp_path / "target")]) == 0
-    native = PosSDrafter.from_pretrained(tmp_path / "native").bind_target(target)
+    native = PosSDrafter.from_pretrained(tmp_path / "native").bind(target)
     assert native.config.feature_layers == [2, 4, 5]
     assert_same_drafter(source, native, target)
 
@@ -394,7 +396,7 @@ def test_export_then_import_gives_identical_drafts(tmp_path, capsys):
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 6
     assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-target"
     assert config["transformer_layer_config"]["num_hidden_layers"] == 1
-    loaded = PosSDrafter.from_pretrained(tmp_path / "vllm").bind_target(target)
+    loaded = PosSDrafter.from_pretrained(tmp_path / "vllm").bind(target)
     assert_same_drafter(source, loaded, target)
 
     poss = random_eagle3(target, num_specialists=2)
@@ -404,12 +406,12 @@ def test_export_then_import_gives_identical_drafts(tmp_path, capsys):
     assert "no place for one layer per group of positions" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="specialist 0 of 2"):
         export_speculators(poss, tmp_path / "first", first_specialist=True)
-    first = PosSDrafter.from_pretrained(tmp_path / "first").bind_target(target)
+    first = PosSDrafter.from_pretrained(tmp_path / "first").bind(target)
     ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     with torch.no_grad():
         out = target(ids, output_hidden_states=poss.config.input_feature_layers)
         features = poss.target_features(out.hidden_states)
-        a = poss(ids, poss.fuse_features(features), specialist=0, return_logits=True).logits
+        a = poss.bind(target)(ids, poss.fuse_features(features), specialist=0, return_logits=True).logits
         b = first(ids, first.fuse_features(features), return_logits=True).logits
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError, match="Only EAGLE-3 drafters"):
@@ -429,7 +431,7 @@ def test_training_flag_builds_and_trains_an_eagle3_drafter(tmp_path):
                              num_specialists=2, positions_per_specialist=2)
     args.check()
     drafter, _ = build_drafter(args, target)
-    assert drafter.config.is_eagle3 and drafter.config.fc_bias is False and drafter.config.feature_layers == [2, 4, 5]
+    assert isinstance(drafter.config, PosSEagle3Config) and drafter.config.fc_bias is False and drafter.config.feature_layers == [2, 4, 5]
     with pytest.raises(ValueError, match="only the final"):
         build_drafter(args, target, feature_layers=[-1])
     ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(8)).to(DEVICE)
@@ -437,7 +439,7 @@ def test_training_flag_builds_and_trains_an_eagle3_drafter(tmp_path):
     with torch.no_grad():
         out = target(ids, output_hidden_states=drafter.config.input_feature_layers)
         features = drafter.target_features(out.hidden_states)
-    objective = UnrolledObjective(drafter, depth=4)
+    objective = UnrolledObjective(drafter, target, depth=4)
     first = objective(ids, features, loss_mask)
     assert torch.all(first.feature_loss == 0) and torch.all(first.count > 0)
     weights = torch.tensor([EAGLE3_STEP_DECAY ** j for j in range(4)], device=first.soft_ce.device)

@@ -227,14 +227,14 @@ def bench_run(fitted_pairs, tokenizer, prompt_folder):
     sets = load_prompt_sets(str(prompt_folder))
     torch.manual_seed(3)
     reduced = PosSDrafter.from_target(target, draft_vocab_size=48, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
-    reduced.init_draft_vocab(torch.arange(48))  # can draft ids 0..47 only
+    reduced.bind(target).init_draft_vocab(torch.arange(48))  # can draft ids 0..47 only
     methods = [baseline_method(), prompt_lookup_method(3), *poss_methods("fitted", drafter, ("tree", "chain")),
                *poss_methods("vocab48", reduced, ("tree",)), Perturbed("perturbed", "custom")]
-    return run_benchmark(target, tokenizer, sets, methods, max_new_tokens=12, warmup=1), drafter
+    return run_benchmark(target, tokenizer, sets, methods, max_new_tokens=12, warmup=1), drafter, target
 
 
 def test_every_method_runs_every_turn(bench_run):
-    run, _ = bench_run
+    run, _, _ = bench_run
     turns = sum(len(q["turns"]) for q in MT_BENCH + QA)
     for method in run.methods:
         records = [r for r in run.records if r.method == method.name]
@@ -251,7 +251,7 @@ def test_every_method_runs_every_turn(bench_run):
 
 
 def test_second_turn_is_asked_after_the_methods_own_first_answer(bench_run):
-    run, _ = bench_run
+    run, _, _ = bench_run
     for method in run.methods:
         for qid in (81, 82):
             first, second = [r for r in run.records if r.method == method.name and r.question_id == qid]
@@ -267,7 +267,7 @@ def test_second_turn_is_asked_after_the_methods_own_first_answer(bench_run):
 
 
 def test_lossless_methods_are_identical_and_the_perturbed_one_is_flagged(bench_run):
-    run, _ = bench_run
+    run, _, _ = bench_run
     for record in run.records:
         if record.method == BASELINE:
             assert record.identical is None and record.consistent
@@ -281,7 +281,7 @@ def test_lossless_methods_are_identical_and_the_perturbed_one_is_flagged(bench_r
 
 
 def test_summary_json_markdown_and_plots(bench_run, tmp_path):
-    run, drafter = bench_run
+    run, drafter, target = bench_run
     rows = summarize(run)
     by_key = {(r["dataset"], r["method"]): r for r in rows}
     assert {d for d, _ in by_key} == {"mt_bench", "qa", "all"}
@@ -312,7 +312,7 @@ def test_summary_json_markdown_and_plots(bench_run, tmp_path):
 
     from transformers_poss.evaluation import environment
 
-    path = write_json(tmp_path / "results.json", run, rows, environment(drafter.bound_target))
+    path = write_json(tmp_path / "results.json", run, rows, environment(target))
     data = json.loads(path.read_text())
     assert len(data["prompts"]) == len(run.records)
     assert {"python", "torch", "transformers", "threads", "dtype", "machine", "cpu"} <= set(data["environment"])

@@ -169,7 +169,6 @@ def test_peft_wrapped_target(fitted_pairs):
             reference = target.generate(input_ids=prompt, do_sample=False, max_new_tokens=20)
             speculative = target.generate(input_ids=prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter)
             assert torch.equal(reference, speculative), mode
-    drafter.bind_target(base)
 
 
 def test_ordinary_generate_untouched():
@@ -316,17 +315,18 @@ def test_greedy_identity_with_fused_target_layers(fitted_pairs, family, mode):
 
 
 def test_int8_draft_linear_products_and_fallbacks():
-    """An 8-bit `DraftLinear` product is within quantization error of the exact one, follows weight changes, and is exact (the weight itself) with gradients, on more than 4 rows, or when
-    off; the module's state is untouched."""
-    from transformers_poss.kernels import DraftLinear
+    """An `Int8Linear` product is within quantization error of the exact one, follows weight changes, and is exact
+    (the weight itself) with gradients or on more than 32 fp32 rows; it keeps the linear layer's parameters and state,
+    and swapping it in and out of a module leaves that module's state as it was."""
+    from transformers_poss.kernels import Int8Linear, use_int8_linears
 
     torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 48)
-    layer.__class__ = DraftLinear
-    state = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
+    linear = torch.nn.Linear(64, 48)
+    layer = Int8Linear(linear)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    assert layer.state_dict().keys() == linear.state_dict().keys()
     x, many = torch.randn(1, 3, 64), torch.randn(2, 20, 64)  # fp32: 8-bit products up to 32 rows
     exact = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    layer.int8 = True
     with torch.no_grad():
         approximate = layer(x)
         assert not torch.equal(approximate, exact)
@@ -336,10 +336,13 @@ def test_int8_draft_linear_products_and_fallbacks():
         torch.testing.assert_close(layer(x) - layer.bias, 2 * (approximate - layer.bias), rtol=0.02, atol=0.02)
         layer.weight.div_(2)
     torch.testing.assert_close(layer(x), exact)  # with gradients: the weight itself
-    layer.int8 = False
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), exact)
-    assert all(torch.equal(state[name], tensor) for name, tensor in layer.state_dict().items())
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16, bias=False))
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    use_int8_linears(model, True)
+    assert [type(m) for m in model] == [Int8Linear, torch.nn.ReLU, Int8Linear]
+    use_int8_linears(model, False)
+    assert [type(m) for m in model] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
@@ -368,7 +371,7 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
             cache = DynamicCache()
             first = drafter.run_specialist(1, inputs[:, :6], positions[:, :6], cache=cache)
             rest = drafter.run_specialist(1, inputs[:, 6:], positions[:, 6:], cache=cache)
-            session = DraftSession(drafter)
+            session = DraftSession(drafter.bind(target))
             width = drafter.config.hidden_size * len(drafter.config.input_feature_layers)
             features = torch.randn(19, width, generator=torch.Generator().manual_seed(1))
             session.commit(features, context[0, 1:])
@@ -379,12 +382,12 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
     lean = layers.lean_attention
     monkeypatch.setattr(layers, "lean_attention", lambda *args: calls.append(1) or lean(*args))
     fast = outputs()
-    assert len(calls) >= 6 and drafter._rope_table is not None  # the session's RoPE rows came from the table
-    table, computed = drafter._rope_rows(inputs, positions, 40), drafter.rotary_emb(inputs, positions)
+    assert len(calls) >= 6 and drafter.rope.table is not None  # the session's RoPE rows came from the table
+    table, computed = drafter.rope.rows(inputs, positions, 40), drafter.rotary_emb(inputs, positions)
     for read, made in zip(table, computed):
         torch.testing.assert_close(read, made, rtol=1e-6, atol=1e-6)
     monkeypatch.setattr(layers, "runs_lean", lambda attention: False)
-    monkeypatch.setattr(drafter, "_rope_table_allowed", False)
+    monkeypatch.setattr(drafter.rope, "table_allowed", False)
     reference = outputs()
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast[1], reference[1], rtol=1e-5, atol=1e-5)
@@ -393,10 +396,10 @@ def test_lean_specialist_forward_matches_the_transformers_layers(monkeypatch, fa
 
 
 def _int8_view(drafter, **settings):
-    """A view of `drafter` with other generation settings that drafts on 8-bit weight copies."""
-    view = drafter.with_generation_config(**settings)
-    view.int8_draft_weights = True
-    return view
+    """A copy of `drafter` that drafts on 8-bit weight copies, with other generation settings."""
+    int8 = copy.deepcopy(drafter)
+    int8.int8_draft_weights = True
+    return int8.with_generation_config(**settings)
 
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])
@@ -418,7 +421,7 @@ def test_greedy_identity_with_int8_draft_weights(fitted_pairs, monkeypatch, fami
         accepted += stats.acceptance_lengths
     assert products, "no 8-bit product ran"
     assert sum(accepted) / len(accepted) >= 0.5, accepted
-    assert not any(getattr(module, "int8", False) for module in drafter.modules()) and not drafter._int8_head
+    assert not drafter.int8_draft_weights
 
 
 def test_int8_draft_weights_on_mapped_head_rows(monkeypatch):
@@ -428,21 +431,23 @@ def test_int8_draft_weights_on_mapped_head_rows(monkeypatch):
 
     target = tiny_target("llama")
     torch.manual_seed(0)
-    drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=16).bind_target(target)
-    drafter.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
+    drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=16)
+    bound = drafter.bind(target)
+    bound.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
     torch.nn.init.normal_(drafter.draft_head_map.weight)
     features = torch.randn(4, target.config.hidden_size)  # a top-k 4 frontier
     products = []
     product = kernels.int8_product
     monkeypatch.setattr(kernels, "int8_product", lambda x, values, scales: products.append(values.shape[0]) or product(x, values, scales))
     with torch.no_grad():
-        exact = drafter.logits(features)
-        with drafter.int8_weights():
-            approximate = drafter.logits(features)
-            assert approximate.shape == exact.shape
-            assert (approximate - exact).abs().max() <= 0.03 * exact.abs().max()
-            assert not torch.equal(approximate, exact)
-        torch.testing.assert_close(drafter.logits(features), exact)
+        exact = bound.logits(features)
+        drafter.int8_draft_weights = True
+        approximate = bound.logits(features)
+        assert approximate.shape == exact.shape
+        assert (approximate - exact).abs().max() <= 0.03 * exact.abs().max()
+        assert not torch.equal(approximate, exact)
+        drafter.int8_draft_weights = False
+        torch.testing.assert_close(bound.logits(features), exact)
     assert 48 in products  # the 48 mapped rows
 
 
@@ -454,23 +459,25 @@ def test_generate_reuses_the_mapped_head_rows_of_the_same_target():
 
     target = tiny_target("llama")
     torch.manual_seed(0)
-    drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=16).bind_target(target)
-    drafter.init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
-    view = _int8_view(drafter, tree_depth=2, tree_top_k=2, tree_total_tokens=4)
+    drafter = PosSDrafter.from_target(target, draft_vocab_size=64, draft_head_rows=16)
+    drafter.bind(target).init_draft_vocab(torch.randperm(target.config.vocab_size)[:64])
+    drafter.int8_draft_weights = True
+    view = drafter.with_generation_config(tree_depth=2, tree_top_k=2, tree_total_tokens=4)
     prompt = prompts(count=1)[0]
     with torch.no_grad():
         target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
                         assistant_model=view)
-        rows, packed = drafter.mapped_head_rows(), drafter.mapped_head_rows(int8=True)
-        for assistant in (view, _int8_view(drafter)):
+        bound = drafter.bind(target)
+        rows, packed = bound.mapped_head_rows(), bound.mapped_head_rows(int8=True)
+        for assistant in (view, drafter.with_generation_config()):
             target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
                             assistant_model=assistant)
-    assert drafter.mapped_head_rows() is rows and drafter.mapped_head_rows(int8=True) is packed
-    assert view.mapped_head_rows() is rows  # one cache for the drafter and its views
+    assert bound.mapped_head_rows() is rows and drafter.bind(target).mapped_head_rows(int8=True) is packed
+    assert view.bind(target).mapped_head_rows() is rows  # one cache for the drafter and its views
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(2)
-    assert torch.equal(drafter.mapped_head_rows(), 2 * rows)
+    assert torch.equal(bound.mapped_head_rows(), 2 * rows)
     other = tiny_target("llama")
-    drafter.bind_target(other)
+    bound = drafter.bind(other)
     expected = other.get_output_embeddings().weight[drafter.draft_to_target[16:]]
-    assert torch.equal(drafter.mapped_head_rows(), expected.to(rows.dtype))
+    assert torch.equal(bound.mapped_head_rows(), expected.to(rows.dtype))

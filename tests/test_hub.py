@@ -353,7 +353,7 @@ def _target_inputs(target, seq=9):
 @pytest.mark.parametrize("layers, settings", [(1, {}), (3, {"num_specialists": 3, "positions_per_specialist": 2})])
 def test_research_checkpoint_converts_and_drafts_like_the_original(target, tmp_path, fmt, bias, layers, settings):
     state, config = write_research_checkpoint(tmp_path / "research", target, layers=layers, bias=bias, fmt=fmt)
-    drafter = PosSDrafter.from_pretrained(tmp_path / "research", **settings).bind_target(target)
+    drafter = PosSDrafter.from_pretrained(tmp_path / "research", **settings).bind(target)
     assert drafter.config.num_specialists == layers and drafter.config.fc_bias == bias
     assert drafter.config.positions_per_specialist == settings.get("positions_per_specialist", 1)
     assert drafter.training_record["converted_from"] == str(tmp_path / "research")
@@ -375,7 +375,7 @@ def test_research_checkpoint_converts_and_drafts_like_the_original(target, tmp_p
     assert "Converted from a research checkpoint" in str(hub.render_card(tmp_path / "native"))
     native_config = json.loads((tmp_path / "native" / "config.json").read_text())
     assert native_config["model_type"] == "poss" and native_config["num_specialists"] == layers
-    reloaded = PosSDrafter.from_pretrained(tmp_path / "native").bind_target(target)
+    reloaded = PosSDrafter.from_pretrained(tmp_path / "native").bind(target)
     assert set(reloaded.state_dict()) == set(drafter.state_dict())
     for key, value in drafter.state_dict().items():
         assert torch.equal(value, reloaded.state_dict()[key]), key

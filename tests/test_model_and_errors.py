@@ -96,17 +96,17 @@ def test_save_load_round_trip_and_auto_model(tmp_path, family):
             assert torch.equal(a.cpu(), b.cpu()), name
     assert isinstance(AutoConfig.from_pretrained(tmp_path), PosSConfig)
     # The reloaded drafter predicts exactly what the original does once bound.
-    loaded = PosSDrafter.from_pretrained(tmp_path).bind_target(target)
+    loaded = PosSDrafter.from_pretrained(tmp_path).bind(target)
     ids, feats = torch.randint(0, 96, (1, 6), device=DEVICE), torch.randn(1, 6, 64, device=DEVICE)
     for specialist in range(3):
         torch.testing.assert_close(loaded(ids, feats, specialist=specialist).features,
-                                   drafter(ids, feats, specialist=specialist).features, rtol=0, atol=0)
+                                   drafter.bind(target)(ids, feats, specialist=specialist).features, rtol=0, atol=0)
 
 
 def test_unbound_drafter_says_how_to_bind(tmp_path):
     drafter = PosSDrafter.from_target(tiny_target("llama"))
     drafter.save_pretrained(tmp_path)
-    with pytest.raises(RuntimeError, match="bind_target"):
+    with pytest.raises(TypeError, match=r"drafter\.bind\(target\)"):
         PosSDrafter.from_pretrained(tmp_path)(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 64))
 
 
@@ -200,7 +200,7 @@ def test_tree_candidates_score_what_their_path_scores_as_a_chain(family, shape):
     the same specialist at each level."""
     target = tiny_target(family)
     torch.manual_seed(0)
-    drafter = distinct_adapters(PosSDrafter.from_target(target, **SHAPES[shape]), std=0.2).eval()
+    drafter = distinct_adapters(PosSDrafter.from_target(target, **SHAPES[shape]), std=0.2).eval().bind(target)
     prompt = prompts(target.config.vocab_size, 1)[0]
     with torch.no_grad():
         out = target(prompt, output_hidden_states=-1)
@@ -232,7 +232,7 @@ def test_tree_candidates_score_what_their_path_scores_as_a_chain(family, shape):
 def test_tree_mask_matches_running_each_path(fitted_pairs, family, attn):
     """Target logits at every tree node equal the logits of that node's root-to-node path run as a plain sequence."""
     target, drafter = fitted_pairs(family, attn)
-    drafter = copy.deepcopy(drafter).bind_target(target)
+    drafter = copy.deepcopy(drafter).bind(target)
     for prompt, (depth, top_k, total) in zip(prompts(), [(3, 2, 7), (4, 3, 12), (2, 4, 9)]):
         with torch.no_grad():
             out = target(prompt, output_hidden_states=-1)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from test_batches import left_padded
 from tiny_models import DEVICE, fitted_drafter, prompts, tiny_target
-from transformers_poss import PosSDrafter
+from transformers_poss import PosSDrafter, PosSEagle3Config
 from transformers_poss.generation.drafting import DraftSession, draft_chain
 
 # Tiny sizes: H hidden, A = heads x head dim, K = KV heads x head dim, I MLP width, V target and Vd draft vocabulary.
@@ -107,7 +107,7 @@ def test_a_poss_e3_folder_loads_alone(tmp_path, stem):
     tensors = random_poss_e3_tensors(stem=stem)
     drafter = PosSDrafter.from_pretrained(write_poss_e3(tmp_path / stem, tensors))
     config = drafter.config
-    assert config.is_eagle3 and (config.num_specialists, config.positions_per_specialist) == (3, 3)
+    assert isinstance(config, PosSEagle3Config) and (config.num_specialists, config.positions_per_specialist) == (3, 3)
     assert config.draft_vocab_size == VD and config.fc_bias is False and config.norm_before_residual is False
     assert config.feature_layers is None  # SpecForge names none: the target's depth decides them when bound
     assert config.shared_context_kv  # one key/value list, as their TTT keeps it (test_reference_poss_e3)
@@ -140,7 +140,7 @@ def test_positions_map_to_layers_as_the_authors_train(tmp_path, ttt_length):
         assert config.specialist_for_position(position) == min(authors_training_layer(position), layers - 1)
 
     target = tiny_target("llama", num_hidden_layers=TARGET_LAYERS)
-    drafter.bind_target(target).eval()
+    drafter = drafter.eval().bind(target)
     ran = []
     original = drafter.run_specialist
     drafter.run_specialist = lambda specialist, *args, **kwargs: (ran.append(specialist),

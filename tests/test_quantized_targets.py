@@ -73,7 +73,7 @@ def test_quantize_dynamic_target_is_refused_before_any_forward(keep_lm_head):
     assert ("lm_head" in message) != keep_lm_head
     assert forwards == []
     with pytest.raises(ValueError, match="quantize_dynamic"):  # binding refuses it too (training, tools)
-        drafter.bind_target(quantized)
+        drafter.bind(quantized)
 
 
 def test_a_target_whose_embedding_holds_no_weights_is_refused():

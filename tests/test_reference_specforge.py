@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers_poss import PosSEagle3Config
 from reference_fixtures import library_ttt, load_pair, native_name, reference, reference_step_logits
 
 
@@ -26,7 +27,7 @@ def run():
 def test_checkpoint_reads_as_specforge_built_it(run):
     numbers, _, drafter, _ = run
     config = drafter.config
-    assert config.is_eagle3 and config.num_specialists == 1 and not config.shared_context_kv
+    assert isinstance(config, PosSEagle3Config) and config.num_specialists == 1 and not config.shared_context_kv
     assert config.feature_layers == numbers["sizes"]["fused_states"]
     assert config.layer_config().rope_parameters["rope_theta"] == 50000.0  # SpecForge 0.2.0 honours rope_theta
 

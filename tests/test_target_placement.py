@@ -130,11 +130,25 @@ def test_bad_placements_are_refused_before_any_weight_is_read(target_folder, mon
 
 
 def train(folder, output, data, **placement):
+    """`run_training` on `folder`'s target: (the drafter, the target it trained against)."""
+    from transformers_poss.training import pipeline
+
+    loaded = []
+    original = pipeline.load_target_and_tokenizer
+
+    def load(*args, **kwargs):
+        loaded.append(original(*args, **kwargs))
+        return loaded[-1]
+
+    pipeline.load_target_and_tokenizer = load
     args = TrainingArguments(output_dir=str(output), target=str(folder), target_dtype="float32", data=str(data),
                              num_specialists=2, positions_per_specialist=1, depth=2, batch_size=2, lr=3e-3,
                              warmup_steps=0, mixed_precision="no", save_steps=0, log_steps=1, progress=False,
                              max_steps=3, val_fraction=0.25, save_dtype="float32", draft_vocab_size=48, **placement)
-    return run_training(args)
+    try:
+        return run_training(args), loaded[0][0]
+    finally:
+        pipeline.load_target_and_tokenizer = original
 
 
 @pytest.mark.parametrize("tie,device_map,max_memory", [(False, "auto", BUDGET), (True, '{"": "disk"}', None)],
@@ -150,15 +164,15 @@ def test_online_training_with_a_split_target_trains_as_with_the_whole_one(tmp_pa
                for i in range(8)]
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in records))
-    whole = train(folder, tmp_path / "whole", data)
+    whole, whole_target = train(folder, tmp_path / "whole", data)
     reset_accelerate()
-    split = train(folder, tmp_path / "split", data, target_device_map=device_map, target_max_memory=max_memory)
-    target = split.bound_target
+    split, target = train(folder, tmp_path / "split", data, target_device_map=device_map,
+                          target_max_memory=max_memory)
     assert "disk" in target.hf_device_map.values()
     embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     assert embed.device.type == lm_head.device.type == "cpu"
     assert (embed is lm_head) == tie
-    torch.testing.assert_close(lm_head, whole.bound_target.get_output_embeddings().weight, rtol=0, atol=0)
+    torch.testing.assert_close(lm_head, whole_target.get_output_embeddings().weight, rtol=0, atol=0)
     assert split.training_record["steps"] == whole.training_record["steps"] == 3
     saved = PosSDrafter.from_pretrained(tmp_path / "split").state_dict()
     for name, weight in PosSDrafter.from_pretrained(tmp_path / "whole").state_dict().items():

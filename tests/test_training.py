@@ -167,7 +167,7 @@ def test_unrolled_steps_equal_inference_drafting(family, num_specialists, k, fea
     target = tiny_target(family)
     torch.manual_seed(3)
     drafter = PosSDrafter.from_target(target, num_specialists=num_specialists, positions_per_specialist=k,
-                                      feature_layers=feature_layers, shared_context_kv=shared).eval()
+                                      feature_layers=feature_layers, shared_context_kv=shared).eval().bind(target)
     if drafter.fuse is not None:
         torch.nn.init.normal_(drafter.fuse.weight, std=0.1)
     depth = 5
@@ -316,7 +316,7 @@ def test_draft_head_with_mapped_rows_grows_saves_and_trains(tmp_path):
     from safetensors.torch import load_file
     stored = load_file(tmp_path / "hybrid" / "model.safetensors")
     assert stored["draft_lm_head.weight"].shape == (90, 64) and stored["draft_head_map.weight"].shape == (65, 64)
-    loaded = PosSDrafter.from_pretrained(tmp_path / "hybrid").bind_target(target)
+    loaded = PosSDrafter.from_pretrained(tmp_path / "hybrid").bind(target)
     assert loaded.config.draft_head_rows == 90
     assert torch.equal(loaded.logits(features), hybrid.logits(features))
     prompt = torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
@@ -389,8 +389,8 @@ def test_fused_drafter_refuses_a_target_of_another_depth():
     drafter = PosSDrafter.from_target(tiny_target("llama"), feature_layers=[1, -1])
     deeper = tiny_target("llama", num_hidden_layers=3)
     with pytest.raises(ValueError, match="num_hidden_layers=2"):
-        drafter.bind_target(deeper)
-    PosSDrafter.from_target(tiny_target("llama")).bind_target(deeper)  # a last-layer drafter does not care
+        drafter.bind(deeper)
+    PosSDrafter.from_target(tiny_target("llama")).bind(deeper)  # a last-layer drafter does not care
 
 
 # ---- trainer ----------------------------------------------------------------------------------------------------
@@ -763,16 +763,16 @@ def test_objective_counts_the_target_token_in_the_draft_top_k():
     whole vocabulary (no draft vocabulary here)."""
     target = tiny_target("llama")
     torch.manual_seed(0)
-    drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=1).bind_target(target)
+    drafter = PosSDrafter.from_target(target, num_specialists=2, positions_per_specialist=1)
     batch = collate([{k: torch.tensor(v) for k, v in e.items()} for e in greedy_examples(target, 3)])
     features, _ = target_features(target, batch["input_ids"], batch["attention_mask"])
-    outputs = {k: UnrolledObjective(drafter, 2, top_k=k)(batch["input_ids"], features, batch["loss_mask"])
+    outputs = {k: UnrolledObjective(drafter, target, 2, top_k=k)(batch["input_ids"], features, batch["loss_mask"])
                for k in (1, 5, target.config.vocab_size)}
     assert torch.equal(outputs[1].top_k_hits, outputs[1].correct)
     assert (outputs[5].top_k_hits >= outputs[1].top_k_hits).all() and outputs[5].top_k_hits.sum() > outputs[1].correct.sum()
     assert torch.equal(outputs[target.config.vocab_size].top_k_hits, outputs[1].count)
     with pytest.raises(ValueError, match="top_k"):
-        UnrolledObjective(drafter, 2, top_k=0)
+        UnrolledObjective(drafter, target, 2, top_k=0)
 
 
 def test_objective_rejects_unbound_drafter():

@@ -1,5 +1,7 @@
 """`poss tune`: the replay of recorded rounds, the ranking, and the command's errors."""
 
+import copy
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def test_subtree_of_recorded_candidates_is_the_tree_drafted_with_the_smaller_bud
     ids = prompts(target.config.vocab_size, 1)[0]
     with torch.no_grad():
         out = target(ids[:, :-1], output_hidden_states=-1)
-    session = DraftSession(drafter)
+    session = DraftSession(drafter.bind(target))
     session.commit(out.hidden_states[-1][0], ids[0, 1:])
     big = draft_tree(session, ids[0, -1], depth=4, top_k=3, total_tokens=30)
     session.end_round()
@@ -179,12 +181,12 @@ def test_draft_timing_drafts_as_generate_would(fitted_pairs, monkeypatch, int8):
     products = []
     product = kernels.int8_product
     monkeypatch.setattr(kernels, "int8_product", lambda *args: products.append(1) or product(*args))
-    view = drafter.with_generation_config().bind_target(target)
-    view.int8_draft_weights = int8
-    seconds = measure_draft_seconds(view, target, prompts()[0], depths=[1, 2], top_ks=[2], repeats=1)
+    copy_ = copy.deepcopy(drafter)
+    copy_.int8_draft_weights = int8
+    seconds = measure_draft_seconds(copy_, target, prompts()[0], depths=[1, 2], top_ks=[2], repeats=1)
     assert sorted(seconds) == [(1, 2), (2, 2)] and all(s > 0 for s in seconds.values())
     assert bool(products) == int8
-    assert not any(getattr(module, "int8", False) for module in drafter.modules())
+    assert not drafter.int8_draft_weights
 
 
 def test_the_fastest_lookup_length_wins_and_a_tie_keeps_the_shorter():

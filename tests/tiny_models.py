@@ -79,6 +79,7 @@ def fitted_drafter(target, num_specialists: int = 2, positions_per_specialist: i
     with torch.no_grad():
         sequences = [target.generate(p, max_new_tokens=40, do_sample=False) for p in prompts(vocab, 3)]
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
+    bound = drafter.bind(target)
     drafter.train()
     for step in range(steps):
         seq = sequences[step % len(sequences)]
@@ -88,8 +89,8 @@ def fitted_drafter(target, num_specialists: int = 2, positions_per_specialist: i
             final = out.hidden_states[-1]
             target_next = out.logits.argmax(-1)
         specialist = step % num_specialists
-        pred = drafter(seq[:, 1:], drafter.fuse_features(target_features[:, :-1]), specialist=specialist,
-                       return_logits=True)
+        pred = bound(seq[:, 1:], drafter.fuse_features(target_features[:, :-1]), specialist=specialist,
+                     return_logits=True)
         # Position i holds (x_{i+1}, f_i) and predicts f_{i+1}, whose logits name the target's choice after x_{i+1}.
         loss = torch.nn.functional.cross_entropy(pred.logits[0], target_next[0, 1:])
         loss = loss + torch.nn.functional.smooth_l1_loss(pred.features[0], final[0, 1:])

@@ -10,10 +10,13 @@
 # (`--resume auto`); its training_record.json says where it resumed.
 set -euo pipefail
 RUN=$1 WORK=$2 RUNS=$3
+# bf16 autocast on a CPU that computes bf16 (avx512_bf16), else fp32; DTYPE overrides (as in prepare.sh)
+DTYPE=${DTYPE:-$(lscpu | grep -q avx512_bf16 && echo bfloat16 || echo float32)}
+PREC=$([ "$DTYPE" = bfloat16 ] && echo bf16 || echo no)
 T=$(poss fetch-target)
-COMMON=(--target "$T" --target-dtype float32 --features "$WORK/feat-a,$WORK/feat-b,$WORK/feat-c"
+COMMON=(--target "$T" --target-dtype $DTYPE --features "$WORK/feat-a,$WORK/feat-b,$WORK/feat-c"
         --val-features "$WORK/feat-val" --drafter-type eagle3 --feature-layers 2,15,27,-1
-        --draft-vocab-size 16384 --batch-size 4 --max-length 384 --mixed-precision no --epochs 9
+        --draft-vocab-size 16384 --batch-size 4 --max-length 384 --mixed-precision $PREC --epochs 9
         --save-steps 100 --save-total-limit 2 --resume auto --val-steps 100 --log-steps 10 --seed 0 --no-progress)
 case $RUN in
 ab-flow)   poss train "${COMMON[@]}" --max-steps 9300 --output-dir "$RUNS/ab-flow" ;;

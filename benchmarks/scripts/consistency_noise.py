@@ -65,7 +65,7 @@ def main() -> None:
 
         path = assets.default_drafter_path("poss2") if args.drafter == "default" else args.drafter
         drafter = PosSDrafter.from_pretrained(path)
-        drafter.bind_target(target)
+        drafter.bind(target)
     chunks = [int(c) for c in args.chunks.split(",")]
     print(f"dtype {args.dtype}, {args.max_new_tokens} new tokens; largest gap of plain generate's own tokens:")
     print("| prompt | tokens | whole-answer forward | " + " | ".join(f"{c}-token forwards" for c in chunks)

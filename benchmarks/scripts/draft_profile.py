@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_default_target(dtype=torch.bfloat16)
-    drafter = PosSDrafter.from_pretrained(args.drafter or default_drafter_path("poss2")).bind_target(target).eval()
+    drafter = PosSDrafter.from_pretrained(args.drafter or default_drafter_path("poss2")).bind(target).eval()
     text = "Explain in detail how a CPU cache hierarchy works and why it matters for performance. " * 8
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :300]
     with torch.no_grad():

@@ -126,7 +126,7 @@ def load_models(args, device, dtype):
         tokenizer = AutoTokenizer.from_pretrained(args.target)
     if Path(args.drafter).is_dir():
         drafter = PosSDrafter.from_pretrained(args.drafter).eval()
-        drafter.bind_target(target)
+        drafter.bind(target)
     else:
         drafter = load_default_drafter(args.drafter, target=target)
     if tokenizer.pad_token is None:

@@ -319,7 +319,7 @@ def load_default_drafter(name: str = "poss2", target=None):
         )
     drafter = load_drafter(path)
     if target is not None:
-        drafter.bind_target(target)
+        drafter.bind(target)  # checked against the target, moved beside its lm_head
     return drafter.eval()
 
 

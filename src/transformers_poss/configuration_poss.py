@@ -18,16 +18,9 @@ FAMILY_CLASSES = {
     "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding"),
     "gemma3_text": ("gemma3", "Gemma3DecoderLayer", "Gemma3RotaryEmbedding"),
 }
-# "eagle": EAGLE-1/2, HASS and PosS drafters; "eagle3": EAGLE-3 drafters (see `PosSConfig`).
-DRAFTER_TYPES = ("eagle", "eagle3")
-# Target hidden states an EAGLE-3 drafter fuses (low, mid, high) in every release.
-EAGLE3_FUSED_STATES = 3
-# Keys of a target's text config that an EAGLE-3 specialist (always a Llama layer, as in every EAGLE-3 release) reads.
-EAGLE3_LAYER_KEYS = (
-    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
-    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "max_position_embeddings", "hidden_act",
-    "initializer_range",
-)
+# The config class of each drafter kind (`drafter_type`, saved in config.json): "eagle" (EAGLE-1/2, HASS and PosS
+# drafters) is `PosSConfig`, "eagle3" `PosSEagle3Config`; each kind's class adds itself when it is defined.
+DRAFTER_CONFIGS: dict[str, type] = {}
 
 # Keys of the target's text config that say nothing about one decoder layer (kept out of `target_config`).
 _IRRELEVANT_TARGET_KEYS = (
@@ -69,33 +62,21 @@ class PosSConfig(PretrainedConfig):
         lora_alpha (`int`, *optional*): the adapters' scale numerator (`alpha / rank`); default `2 * lora_rank`.
         lora_target_modules (`list[str]`, *optional*): the projections the adapters adapt; default all of them
             (`DEFAULT_LORA_TARGETS`).
-        fc_bias (`bool`, *optional*): whether `fc` has a bias; default `True` (EAGLE research code), `False` for
-            EAGLE-3 (every EAGLE-3 reference, and vLLM, builds `fc` without one).
+        fc_bias (`bool`, *optional*): whether `fc` has a bias; default `True` (EAGLE research code; EAGLE-3 drafters,
+            `PosSEagle3Config`, default to `False`).
         feature_layers (`list[int]`, *optional*): the target hidden states the drafter reads, as
             `output_hidden_states` indices (0: embeddings, `i`: after decoder layer `i`, `-1`: the final post-norm
             state), ending with `-1`. `None` (default) reads the final state only (EAGLE-1/2, HASS). More than one
-            (EAGLE-3-style low/mid/high fusion, e.g. `[3, 16, -1]`) adds `fuse: Linear(n * H -> H)` over their
-            concatenation; the drafter still predicts the final state, which deeper draft positions read.
+            (low/mid/high fusion, e.g. `[3, 16, -1]`) adds `fuse: Linear(n * H -> H)` over their concatenation; the
+            drafter still predicts the final state, which deeper draft positions read.
         draft_vocab_size (`int`, *optional*): size of a reduced draft vocabulary (a drafter-own `lm_head`
             over the most frequent target tokens); `None` drafts over the full target vocabulary.
         draft_head_rows (`int`, *optional*): with a draft vocabulary, how many of its rows (the first) the drafter
             stores and trains as its own; the other `draft_vocab_size - draft_head_rows` read the target's `lm_head`
             rows through a trained map `draft_head_map` (`(H + 1) * H` parameters for any number of rows), so a
             large draft vocabulary costs little to store. `None` (default) stores every row.
-        drafter_type (`str`): `"eagle"` (default: EAGLE-1/2, HASS, PosS) or `"eagle3"`. An EAGLE-3 drafter reads
-            the target hidden states `feature_layers` (low, mid, high; default `[2, L // 2, L - 3]` for a target of
-            `L` layers, where `i` is the state entering decoder layer `i`), fuses them with `fc: nH -> H`, and each
-            specialist is an EAGLE-3 layer: attention over `concat(norm(embedding), norm(hidden))` (2H) with the
-            hidden state as the residual, then the MLP. It has its own final `norm` and draft head over a draft
-            vocabulary (`draft_vocab_size`, the full vocabulary when unset); later draft positions read the
-            specialist's own output before that norm. The target forward is asked for `feature_layers + [-1]`
-            (`input_feature_layers`): the final state costs nothing there and gives training its target logits.
-            A checkpoint that does not name its fused layers leaves `feature_layers` None until the drafter binds to
-            its target, whose depth then gives the default (`resolve_feature_layers`).
-        norm_before_residual (`bool`): EAGLE-3 only: the residual around attention is `hidden_norm(hidden)` instead
-            of `hidden` (speculators' option; SafeAILab and SpecForge checkpoints use `False`).
-        draft_layer_config (`dict`, *optional*): EAGLE-3 only: the Llama config of the specialist layers (heads, KV
-            heads, head dim, MLP width, RMSNorm eps, RoPE); defaults to the target's values.
+        drafter_type (`str`): the drafter kind, saved in config.json: `"eagle"` for this class (EAGLE-1/2, HASS, PosS);
+            `PosSConfig(drafter_type="eagle3", ...)` and a config.json saying `"eagle3"` give a `PosSEagle3Config`.
         shared_context_kv (`bool`): the specialists share one key/value list, as the PosS authors' SpecForge fork
             trains its PosS-on-EAGLE-3 drafters: the context's keys/values are those of the specialist of draft
             position 1, and each draft level adds the keys/values of the specialist that drafts from it. `False`
@@ -119,10 +100,22 @@ class PosSConfig(PretrainedConfig):
     draft_vocab_size: int | None = None
     draft_head_rows: int | None = None
     drafter_type: str = "eagle"
-    norm_before_residual: bool = False
-    draft_layer_config: dict | None = None
     shared_context_kv: bool = False
     tie_word_embeddings: bool = False
+
+    # Settings only another kind has; a config.json of this kind written before the kinds were split states them at
+    # these values (dropped on reading; any other value is refused).
+    _OTHER_KIND_DEFAULTS = {"norm_before_residual": False, "draft_layer_config": None}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        DRAFTER_CONFIGS.setdefault(cls.drafter_type, cls)
+
+    def __new__(cls, *args, **kwargs):
+        """The config of the kind `drafter_type` names (`DRAFTER_CONFIGS`): where a checkpoint's kind is decided."""
+        if cls is PosSConfig:
+            cls = DRAFTER_CONFIGS.get(kwargs.get("drafter_type", cls.drafter_type), cls)
+        return super().__new__(cls)
 
     def __post_init__(self, **kwargs):
         misplaced = sorted(set(kwargs) & set(PosSGenerationConfig.POSS_DEFAULTS))
@@ -135,10 +128,10 @@ class PosSConfig(PretrainedConfig):
         for name in SPECIAL_TOKEN_KEYS:  # read from `target_config` (properties); a config stating them keeps them
             if name in kwargs:
                 self.target_config.setdefault(name, kwargs.pop(name))
-        if self.drafter_type == "eagle3":
-            self._fill_eagle3_defaults()
-        if self.fc_bias is None:
-            self.fc_bias = self.drafter_type != "eagle3"
+        for name, default in self._OTHER_KIND_DEFAULTS.items():
+            if name in kwargs and kwargs.pop(name) != default:
+                raise ValueError(f"PosSConfig.{name} is an EAGLE-3 setting (drafter_type='eagle3')")
+        self.fill_kind_defaults()
         if self.lora_rank is not None:
             self.lora_alpha = 2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha
             self.lora_target_modules = list(self.lora_target_modules or DEFAULT_LORA_TARGETS)
@@ -173,63 +166,39 @@ class PosSConfig(PretrainedConfig):
         return self.target_config.get("pad_token_id")
 
     @property
-    def is_eagle3(self) -> bool:
-        return self.drafter_type == "eagle3"
-
-    @property
     def input_feature_layers(self) -> list[int]:
         """The `output_hidden_states` indices of the target features the drafter reads, the final state (`-1`)
-        last: `[-1]` by default, `feature_layers` for a fusing drafter, `feature_layers + [-1]` for EAGLE-3."""
-        if self.is_eagle3:
-            if self.feature_layers is None:
-                raise ValueError(
-                    "This EAGLE-3 drafter's fused target layers are resolved from its target's depth when it binds to "
-                    "the target: call drafter.bind_target(target) (generate does) or pass target= when loading"
-                )
-            return [*self.feature_layers, -1]
+        last: `[-1]` by default, `feature_layers` for a fusing drafter."""
         return list(self.feature_layers) if self.feature_layers else [-1]
 
     @property
     def num_fused_states(self) -> int:
-        """How many target hidden states `fc` (EAGLE-3) or `fuse` reads: `len(input_feature_layers)` (EAGLE-3:
-        `len(feature_layers)`, `EAGLE3_FUSED_STATES` while they are unresolved)."""
-        if self.is_eagle3:
-            return EAGLE3_FUSED_STATES if self.feature_layers is None else len(self.feature_layers)
+        """How many target hidden states the drafter's input fusion reads (`len(input_feature_layers)`)."""
         return len(self.input_feature_layers)
 
+    @property
+    def feature_layers_resolved(self) -> bool:
+        """Whether the target layers read are known (always in this kind; see `resolve_feature_layers`)."""
+        return True
+
     def resolve_feature_layers(self, num_target_layers: int) -> None:
-        """Set an EAGLE-3 drafter's fused layers from its target's depth (`default_eagle3_feature_layers`) when its
-        checkpoint did not name them; `ValueError` when that target cannot decide them."""
-        if not self.is_eagle3 or self.feature_layers is not None:
-            return
-        try:
-            layers = default_eagle3_feature_layers(num_target_layers)
-        except ValueError as error:
-            raise ValueError(f"This EAGLE-3 drafter does not name the target layers it fuses: {error}") from None
-        self.feature_layers = layers
-        self.target_config["num_hidden_layers"] = num_target_layers
+        """Name the target layers read where the checkpoint left that to the target's depth (EAGLE-3 checkpoints do;
+        this kind always names them)."""
 
     @property
     def layer_family(self) -> str | None:
-        """The model family of the specialist layers: the target's, or `"llama"` for EAGLE-3."""
-        return "llama" if self.is_eagle3 else self.target_model_type
+        """The model family of the specialist layers: the target's."""
+        return self.target_model_type
 
     @property
     def layer_input_size(self) -> int | None:
-        """Width of a specialist's layer inputs (`PosSDrafter.project`): H, or 2H (embedding, hidden) for EAGLE-3."""
-        return None if self.hidden_size is None else self.hidden_size * (2 if self.is_eagle3 else 1)
+        """Width of a specialist's layer inputs (`PosSDrafter.project`): H."""
+        return self.hidden_size
 
-    def _fill_eagle3_defaults(self) -> None:
-        """EAGLE-3 defaults read from the target: its layer settings, its low/mid/high states, its vocabulary."""
-        if self.draft_layer_config is None and self.target_config:
-            self.draft_layer_config = {k: self.target_config[k] for k in EAGLE3_LAYER_KEYS if k in self.target_config}
-            if self.target_config.get("model_type") == "gemma3_text":  # gemma names its activation differently
-                self.draft_layer_config["hidden_act"] = self.target_config.get("hidden_activation", "silu")
-        n_layers = self.target_config.get("num_hidden_layers")
-        if self.feature_layers is None and n_layers:
-            self.feature_layers = default_eagle3_feature_layers(n_layers)
-        if self.draft_vocab_size is None:
-            self.draft_vocab_size = self.vocab_size
+    def fill_kind_defaults(self) -> None:
+        """Defaults this kind reads from the target (called once, before the checks)."""
+        if self.fc_bias is None:
+            self.fc_bias = True
 
     @property
     def group_sizes(self) -> list[int]:
@@ -277,14 +246,7 @@ class PosSConfig(PretrainedConfig):
             )
 
     def layer_config(self) -> PretrainedConfig:
-        """The target family's config for the drafter's `num_specialists` full-attention decoder layers (a Llama
-        config from `draft_layer_config` for EAGLE-3)."""
-        if self.is_eagle3:
-            fields = {k: v for k, v in copy.deepcopy(self.draft_layer_config).items() if k != "model_type"}
-            config = AutoConfig.for_model("llama", **fields, num_hidden_layers=self.num_specialists,
-                                          attention_bias=False, mlp_bias=False)
-            config._attn_implementation = self._attn_implementation if self._attn_implementation else "sdpa"
-            return config
+        """The target family's config for the drafter's `num_specialists` full-attention decoder layers."""
         fields = copy.deepcopy(self.target_config)
         model_type = fields.pop("model_type")
         fields["num_hidden_layers"] = self.num_specialists
@@ -293,9 +255,11 @@ class PosSConfig(PretrainedConfig):
         for key in ("sliding_window", "max_window_layers"):
             fields.pop(key, None)
         fields["use_sliding_window"] = False
-        config = AutoConfig.for_model(model_type, **fields)
-        config._attn_implementation = self._attn_implementation if self._attn_implementation else "sdpa"
-        return config
+        return self._with_attention(AutoConfig.for_model(model_type, **fields))
+
+    def _with_attention(self, layer_config: PretrainedConfig) -> PretrainedConfig:
+        layer_config._attn_implementation = self._attn_implementation if self._attn_implementation else "sdpa"
+        return layer_config
 
     @property
     def own_draft_head_rows(self) -> int | None:
@@ -337,14 +301,15 @@ class PosSConfig(PretrainedConfig):
                 f"PosSConfig.draft_head_rows must be None or an integer in [0, draft_vocab_size="
                 f"{self.draft_vocab_size}] (it needs a draft vocabulary), got {rows!r}"
             )
+        if DRAFTER_CONFIGS.get(self.drafter_type) is not type(self):
+            kinds = tuple(DRAFTER_CONFIGS)
+            raise ValueError(f"PosSConfig.drafter_type must be one of {kinds}, got {self.drafter_type!r}")
         self._check_feature_layers()
-        if self.drafter_type not in DRAFTER_TYPES:
-            raise ValueError(f"PosSConfig.drafter_type must be one of {DRAFTER_TYPES}, got {self.drafter_type!r}")
-        if self.is_eagle3:
-            self._check_eagle3()
-        elif self.norm_before_residual:
-            raise ValueError("PosSConfig.norm_before_residual is an EAGLE-3 setting (drafter_type='eagle3')")
-        if self.target_config and not self.is_eagle3:
+        self.check_kind()
+
+    def check_kind(self) -> None:
+        """Raise `ValueError` on settings this kind cannot build: a supported target family, the layer sizes."""
+        if self.target_config:
             family = self.target_config.get("model_type")
             if family not in FAMILY_CLASSES:
                 raise ValueError(
@@ -369,23 +334,6 @@ class PosSConfig(PretrainedConfig):
             raise ValueError(f"PosSConfig.lora_target_modules must be some of {DEFAULT_LORA_TARGETS}, got "
                              f"{self.lora_target_modules!r}")
 
-    def _check_eagle3(self) -> None:
-        for key in ("hidden_size", "vocab_size"):
-            if not self.target_config.get(key):
-                raise ValueError(f"PosSConfig.target_config lacks {key!r}: an EAGLE-3 drafter needs the target's {key}")
-        if not self.draft_layer_config:
-            raise ValueError("PosSConfig.draft_layer_config is required for an EAGLE-3 drafter (its layers' settings)")
-        for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
-            if not self.draft_layer_config.get(key):
-                raise ValueError(f"PosSConfig.draft_layer_config lacks {key!r}: the EAGLE-3 layers cannot be built")
-        if self.draft_layer_config["hidden_size"] != self.hidden_size:
-            raise ValueError(
-                f"EAGLE-3 layers of hidden_size {self.draft_layer_config['hidden_size']} cannot read the target's "
-                f"embedding of hidden_size {self.hidden_size} (drafters with their own embedding are not supported)"
-            )
-        if self.draft_head_rows is not None:
-            raise ValueError("PosSConfig.draft_head_rows maps target lm_head rows; EAGLE-3 drafters own their head")
-
     def _check_feature_layers(self) -> None:
         layers = self.feature_layers
         if layers is None:
@@ -393,17 +341,7 @@ class PosSConfig(PretrainedConfig):
         if (not isinstance(layers, (list, tuple)) or not layers
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
             raise ValueError(f"PosSConfig.feature_layers must be None or a list of integers, got {layers!r}")
-        if self.drafter_type == "eagle3":
-            if -1 in layers:
-                raise ValueError(
-                    f"PosSConfig.feature_layers of an EAGLE-3 drafter name the states fc fuses; the final state (-1) "
-                    f"is always read besides them. Got {list(layers)}"
-                )
-        elif layers[-1] != -1:
-            raise ValueError(
-                f"PosSConfig.feature_layers must end with -1 (the target's final hidden state, which the drafter "
-                f"predicts), got {list(layers)}"
-            )
+        self.check_feature_layer_list(layers)
         n_layers = (self.target_config or {}).get("num_hidden_layers")
         if n_layers:
             resolved = [i if i >= 0 else n_layers + 1 + i for i in self.input_feature_layers]
@@ -412,6 +350,20 @@ class PosSConfig(PretrainedConfig):
                     f"PosSConfig.feature_layers {list(layers)} must be distinct hidden-state indices of a target with "
                     f"{n_layers} layers (0 .. {n_layers}, or negative from -1)"
                 )
+
+    def check_feature_layer_list(self, layers: list[int]) -> None:
+        """Raise `ValueError` unless `feature_layers` suit this kind: ending with the final state (-1)."""
+        if layers[-1] != -1:
+            raise ValueError(
+                f"PosSConfig.feature_layers must end with -1 (the target's final hidden state, which the drafter "
+                f"predicts), got {list(layers)}"
+            )
+
+    @classmethod
+    def feature_layers_of(cls, read_layers: list[int] | None) -> list[int] | None:
+        """This kind's `feature_layers` for target features of hidden states `read_layers` (the final one, `-1`,
+        last; `None`: the final one only): all of them."""
+        return None if read_layers is None else list(read_layers)
 
     @classmethod
     def from_target_config(cls, target_config: PretrainedConfig, **kwargs) -> "PosSConfig":
@@ -424,14 +376,4 @@ class PosSConfig(PretrainedConfig):
         )
 
 
-def default_eagle3_feature_layers(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high target states for a target of `num_hidden_layers` layers: the states entering
-    decoder layers `2, L // 2, L - 3` (`output_hidden_states` indices; SafeAILab, SpecForge and vLLM agree)."""
-    layers = [2, num_hidden_layers // 2, num_hidden_layers - 3]
-    if not layers[0] < layers[1] < layers[2]:
-        raise ValueError(
-            f"EAGLE-3's default feature layers [2, L // 2, L - 3] need a target of at least 7 layers, this one has "
-            f"{num_hidden_layers}: pass feature_layers"
-        )
-    return layers
-
+DRAFTER_CONFIGS[PosSConfig.drafter_type] = PosSConfig

@@ -1,8 +1,9 @@
-"""CPU kernels for drafting: products with 8-bit copies of the drafter's weights (`DraftLinear`).
+"""CPU kernels for drafting: products with 8-bit copies of the drafter's weights (`Int8Linear`).
 
 A draft depth multiplies a handful of rows (its frontier) by every weight of a specialist and the draft head, so it
-streams weights: 8-bit copies halve the bytes read (a quarter of fp32's). `PosSDrafter.int8_weights` switches them on;
-the weights themselves, training and the saved state are untouched.
+streams weights: 8-bit copies halve the bytes read (a quarter of fp32's). A drafter loaded with
+`int8_draft_weights=True` drafts with `Int8Linear` modules in place of its `nn.Linear`s (`use_int8_linears`); the
+weights themselves, training and the saved state are untouched.
 
 The kernel (`torch._weight_int8pack_mm`) is fast for 16-bit inputs only, so products run in bf16 (fp16 for fp16
 drafters) and return in the input's dtype: for an fp32 drafter that is bf16 arithmetic on 8-bit weights, which costs
@@ -53,16 +54,21 @@ def runs_int8(x: torch.Tensor, in_features: int) -> bool:
             and not torch.is_grad_enabled())
 
 
-class DraftLinear(nn.Linear):
-    """The drafter's `nn.Linear`. While `int8` is set (`PosSDrafter.int8_weights`) it multiplies with an 8-bit copy of
-    its weight where `runs_int8` allows, made on first use and again whenever the weight changes; the weight itself,
-    training and the saved state are untouched."""
+class Int8Linear(nn.Module):
+    """An `nn.Linear`'s stand-in while a drafter drafts on 8-bit weights (`use_int8_linears`): the same `weight` and
+    `bias` parameters (the same state dict), multiplied through an 8-bit copy of the weight where `runs_int8` allows,
+    made on first use and again whenever the weight changes; exactly otherwise (with gradients, many rows)."""
 
-    int8 = False
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._int8_copy = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., in] -> [..., out]`."""
-        if not (self.int8 and runs_int8(x, self.in_features)):
+        if not runs_int8(x, self.in_features):
             return nn.functional.linear(x, self.weight, self.bias)
         out = int8_product(x, *self.int8_copy())
         return out if self.bias is None else out + self.bias
@@ -70,7 +76,26 @@ class DraftLinear(nn.Linear):
     def int8_copy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`pack_int8(self.weight)`, cached while the weight is unchanged."""
         key = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
-        cached = self.__dict__.get("_int8_copy")
-        if cached is None or cached[0] != key:
-            cached = self.__dict__["_int8_copy"] = (key, *pack_int8(self.weight))
-        return cached[1], cached[2]
+        if self._int8_copy is None or self._int8_copy[0] != key:
+            self._int8_copy = (key, *pack_int8(self.weight))
+        return self._int8_copy[1], self._int8_copy[2]
+
+    def to_linear(self) -> nn.Linear:
+        """The plain `nn.Linear` over the same parameters."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def use_int8_linears(module: nn.Module, enabled: bool) -> None:
+    """Replace every `nn.Linear` under `module` by an `Int8Linear` over the same parameters (`enabled`), or every
+    `Int8Linear` by its `nn.Linear` again; parameters, state dict and training are unchanged."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if enabled and type(child) is nn.Linear:
+                setattr(parent, name, Int8Linear(child))
+            elif not enabled and isinstance(child, Int8Linear):
+                setattr(parent, name, child.to_linear())

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import torch
 from torch import nn
@@ -160,6 +161,36 @@ class Eagle3DecoderLayer(nn.Module):
         hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+
+
+class RotaryPositions:
+    """RoPE (cos, sin) `[B, S, D]` of a family's rotary embedding module for positions `[B, S]`: computed per call,
+    or, where cos/sin depend on the position alone and a bound on the positions is known (a draft session's), rows of
+    a table of positions `0 .. P - 1` the module made (remade twice as long when too short)."""
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+        self.takes_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self.table_allowed = (not self.takes_layer_type
+                              and getattr(rotary, "rope_type", "default") not in ("dynamic", "longrope"))
+        self.table = None  # (dtype and device, cos [P, D], sin [P, D])
+
+    def __call__(self, like: torch.Tensor, position_ids: torch.LongTensor, positions_below: int | None = None):
+        """(cos, sin) of `position_ids` in `like`'s dtype; from the table when `positions_below` bounds them."""
+        if positions_below is not None and self.table_allowed:
+            return self.rows(like, position_ids, positions_below)
+        if self.takes_layer_type:
+            return self.rotary(like, position_ids, "full_attention")
+        return self.rotary(like, position_ids)
+
+    def rows(self, like: torch.Tensor, position_ids: torch.LongTensor, positions_below: int):
+        """(cos, sin) of `position_ids` (all below `positions_below`) read from the table."""
+        key = (like.dtype, like.device)
+        if self.table is None or self.table[0] != key or self.table[1].shape[0] < positions_below:
+            positions = torch.arange(max(2 * positions_below, 256), device=like.device)[None]
+            cos, sin = self.rotary(like, positions)
+            self.table = (key, cos[0], sin[0])
+        return self.table[1][position_ids], self.table[2][position_ids]
 
 
 def select_hidden_states(hidden_states: tuple[torch.Tensor | None, ...], layers: list[int]) -> torch.Tensor:

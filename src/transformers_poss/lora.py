@@ -95,8 +95,6 @@ def merge_lora_specialists(drafter):
     merged.generation_config = copy.deepcopy(drafter.generation_config)
     merged.training_record, merged.tuning_record = dict(drafter.training_record), dict(drafter.tuning_record)
     merged.int8_draft_weights = drafter.int8_draft_weights
-    if drafter.bound_target is not None:
-        merged.bind_target(drafter.bound_target)
     return merged.train(drafter.training)
 
 

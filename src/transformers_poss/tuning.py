@@ -216,11 +216,10 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
                           repeats: int = 5) -> dict[tuple[int, int], float]:
     """`{(depth, top_k): seconds}` of `draft_tree` on a drafter session committed over `context_ids` `[1, L]`, with
     the drafter's own `int8_draft_weights`, as generate drafts."""
-    device = target.device
-    context_ids = context_ids.to(device)
+    session = DraftSession(drafter.bind(target))
+    context_ids = context_ids.to(target.device)
     out = target(input_ids=context_ids[:, :-1], output_hidden_states=drafter.config.input_feature_layers,
                  logits_to_keep=1)
-    session = DraftSession(drafter)
     session.commit(drafter.target_features(out.hidden_states)[0], context_ids[0, 1:])
     root = context_ids[0, -1]
 
@@ -230,8 +229,7 @@ def measure_draft_seconds(drafter, target, context_ids: torch.LongTensor, depths
             session.end_round()
         return draft
 
-    with drafter.int8_weights(drafter.int8_draft_weights):
-        return _interleaved_medians({(d, k): draft_call(d, k) for k in top_ks for d in depths}, repeats)
+    return _interleaved_medians({(d, k): draft_call(d, k) for k in top_ks for d in depths}, repeats)
 
 
 @torch.no_grad()
@@ -523,7 +521,8 @@ def run_tune(args) -> int:
     target, tokenizer = load_target(args.target, dtype, device)
     kind = device_kind(target.device, target.dtype)
     kernels = {} if args.int8_draft_weights is None else {"int8_draft_weights": args.int8_draft_weights == "on"}
-    drafter = load_drafter(folder, **kernels).bind_target(target)
+    drafter = load_drafter(folder, **kernels)
+    drafter.bind(target)  # checked against the target, moved beside its lm_head
     questions = [q for qs in prompt_sets.values() for q in qs]
     prompts = [tokenizer(chat_prompt(tokenizer, q.turns, []), return_tensors="pt").input_ids for q in questions]
     log(f"tuning for {kind} on {len(prompts)} calibration prompts from {sorted(prompt_sets)}")

@@ -98,9 +98,11 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_poss import EAGLE3_LAYER_KEYS, PosSConfig
+from ..configuration_poss import PosSConfig
+from ..configuration_poss_eagle3 import EAGLE3_LAYER_KEYS, PosSEagle3Config
 from ..generation_config import PosSGenerationConfig
 from ..modeling_poss import PosSDrafter
+from ..modeling_poss_eagle3 import PosSEagle3Drafter
 from .native import HUB_KWARGS
 from .research import (
     _GENERATION_OVERRIDES, _LOAD_KWARGS, ResearchCheckpoint, _read_config, check_embedding_matches,
@@ -221,8 +223,8 @@ def _target_depth(target) -> int | None:
 
 def eagle3_poss_config(checkpoint: ResearchCheckpoint, num_specialists: int | None = None,
                        positions_per_specialist: int | None = None, target=None,
-                       num_target_layers: int | None = None, **overrides) -> PosSConfig:
-    """The native `PosSConfig` of an EAGLE-3 checkpoint (see the module docstring)."""
+                       num_target_layers: int | None = None, **overrides) -> PosSEagle3Config:
+    """The native `PosSEagle3Config` of an EAGLE-3 checkpoint (see the module docstring)."""
     config = checkpoint.config
     speculators = eagle3_config_layout(config) == "speculators"
     if speculators and config["speculators_model_type"] != "eagle3":
@@ -262,8 +264,8 @@ def eagle3_poss_config(checkpoint: ResearchCheckpoint, num_specialists: int | No
         target_config["model_type"] = target.config.get_text_config().model_type
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     overrides.setdefault("target_name_or_path", verifier.get("name_or_path") or (preset[0] if preset else None))
-    return PosSConfig(
-        drafter_type="eagle3", target_config=target_config, draft_layer_config=layer,
+    return PosSEagle3Config(
+        target_config=target_config, draft_layer_config=layer,
         feature_layers=list(feature_layers) if feature_layers is not None else None,
         num_specialists=found, positions_per_specialist=positions_per_specialist,
         fc_bias="fc.bias" in checkpoint.state_dict,
@@ -295,7 +297,7 @@ def _saved_positions_per_specialist(checkpoint: ResearchCheckpoint, preset, foun
 def _source_names(config: PosSConfig, prefixes: list[str]) -> dict[str, str]:
     """Native key -> checkpoint key."""
     with torch.device("meta"):
-        names = list(PosSDrafter(config).state_dict())
+        names = list(PosSEagle3Drafter(config).state_dict())
     mapping = {}
     for name in names:
         if name.startswith("specialists."):
@@ -312,7 +314,7 @@ def check_eagle3_weights(checkpoint: ResearchCheckpoint, config: PosSConfig) -> 
     _, prefixes = layer_prefixes(state)
     mapping = _source_names(config, prefixes)
     with torch.device("meta"):
-        native = PosSDrafter(config).state_dict()
+        native = PosSEagle3Drafter(config).state_dict()
     expected = {mapping[k]: tuple(v.shape) for k, v in native.items()}
     expected["t2d"] = (config.vocab_size,)
     optional = {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}
@@ -410,7 +412,7 @@ def load_eagle3_drafter(cls, path_or_id, num_specialists: int | None = None,
 
 def read_if_eagle3_checkpoint(cls, path_or_id, *model_args, num_specialists=None, positions_per_specialist=None,
                               **kwargs):
-    """The `PosSDrafter.checkpoint_readers` entry: a converted drafter when `path_or_id` holds an EAGLE-3 layout,
+    """The `checkpoints.loading.CHECKPOINT_READERS` entry: a converted drafter when `path_or_id` holds an EAGLE-3 layout,
     else `None`."""
     if not is_eagle3_checkpoint(path_or_id, **{k: v for k, v in kwargs.items() if k in HUB_KWARGS}):
         return None

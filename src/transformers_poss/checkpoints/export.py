@@ -54,6 +54,7 @@ import torch
 
 from ..generation_config import resolve_budget
 from ..modeling_poss import PosSDrafter
+from ..modeling_poss_eagle3 import PosSEagle3Drafter
 
 EXPORT_FORMATS = ("speculators", "vllm")
 SPECULATORS_VERSION = "0.3.0"
@@ -64,6 +65,8 @@ FAMILY_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
 }
+# The poss_vllm plugin's model class of each drafter kind (`drafter_type`).
+VLLM_ARCHITECTURES = {"eagle": "PosSEagleForCausalLM", "eagle3": "PosSEagle3LlamaForCausalLM"}
 VLLM_EAGLE_FAMILIES = ("llama", "mistral")  # families whose decoder layer vLLM's LlamaDecoderLayer computes
 
 
@@ -96,7 +99,7 @@ def resolve_fused_layers(drafter: PosSDrafter, target_config: dict | None) -> No
     """Give an EAGLE-3 drafter whose checkpoint names no fused target layers (SafeAILab, SpecForge, PosS on EAGLE-3)
     EAGLE-3's default for the `--target` folder's depth (what binding to that target does); ValueError without one."""
     config = drafter.config
-    if not config.is_eagle3 or config.feature_layers is not None:
+    if config.feature_layers_resolved:
         return
     depth = (target_config or {}).get("num_hidden_layers")
     if depth is None:
@@ -108,10 +111,7 @@ def resolve_fused_layers(drafter: PosSDrafter, target_config: dict | None) -> No
 
 
 def verifier_architectures(drafter: PosSDrafter, target_config: dict | None = None) -> list[str]:
-    """The target's architectures: the bound target's, the target folder's, else the family's causal-LM class."""
-    target = drafter.bound_target
-    if target is not None and getattr(target.config, "architectures", None):
-        return list(target.config.architectures)
+    """The target's architectures: the target folder's, else the family's causal-LM class."""
     if target_config and target_config.get("architectures"):
         return list(target_config["architectures"])
     family = drafter.config.target_model_type
@@ -179,7 +179,7 @@ def export_speculators(drafter: PosSDrafter, destination, first_specialist: bool
     """Write `drafter` to `destination` in the speculators EAGLE-3 format (module docstring); returns the folder."""
     drafter = drafter.merged()  # LoRA specialists leave as full layers
     config = drafter.config
-    if not config.is_eagle3:
+    if not isinstance(drafter, PosSEagle3Drafter):
         raise ValueError(
             "Only EAGLE-3 drafters (drafter_type='eagle3') export to the speculators eagle3 format: this drafter is "
             "an EAGLE-1/2-style one (fc over [embedding, feature], the target's lm_head), which vLLM's EAGLE-3 "
@@ -273,7 +273,7 @@ def vllm_speculative_config(drafter: PosSDrafter) -> dict:
 def check_vllm_exportable(drafter: PosSDrafter) -> None:
     """Raise `ValueError` on drafters the poss_vllm plugin cannot serve."""
     config = drafter.config
-    if config.is_eagle3:
+    if isinstance(drafter, PosSEagle3Drafter):
         if config.fc_bias:
             raise ValueError("This EAGLE-3 drafter's fc has a bias, which vLLM's EAGLE-3 fusion has no place for")
         return
@@ -322,7 +322,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
     target_facts = config.target_config
     if target_config:
         target_facts = {**target_facts, **{k: target_config[k] for k in ("num_hidden_layers",) if k in target_config}}
-    drafter_type = "eagle3" if config.is_eagle3 else "eagle"
+    drafter_type = config.drafter_type
     poss = {
         "format": VLLM_FORMAT,
         "format_version": VLLM_FORMAT_VERSION,
@@ -347,7 +347,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
         "speculative_config": vllm_speculative_config(drafter),
     }
     folder_config = {
-        "architectures": ["PosSEagle3LlamaForCausalLM" if config.is_eagle3 else "PosSEagleForCausalLM"],
+        "architectures": [VLLM_ARCHITECTURES[drafter_type]],
         "speculators_model_type": drafter_type,
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
@@ -363,7 +363,7 @@ def export_vllm(drafter: PosSDrafter, destination, first_specialist: bool = Fals
         "poss": poss,
         "torch_dtype": str(drafter.dtype).replace("torch.", ""),
     }
-    if config.is_eagle3:
+    if isinstance(drafter, PosSEagle3Drafter):
         folder_config["norm_before_residual"] = config.norm_before_residual
         folder_config["eagle_aux_hidden_state_layer_ids"] = list(config.feature_layers)
     text = json.dumps(folder_config, indent=2, sort_keys=True) + "\n"

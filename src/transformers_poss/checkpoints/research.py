@@ -440,7 +440,7 @@ def load_research_drafter(
 
 def read_if_research_checkpoint(cls, path_or_id, *model_args, num_specialists=None, positions_per_specialist=None,
                                 **kwargs):
-    """The `PosSDrafter.checkpoint_readers` entry: a converted drafter when `path_or_id` is a research checkpoint,
+    """The `checkpoints.loading.CHECKPOINT_READERS` entry: a converted drafter when `path_or_id` is a research checkpoint,
     else `None` (a native folder, or nothing readable: the native loader then reports it)."""
     if not is_research_checkpoint(path_or_id, **kwargs):
         return None

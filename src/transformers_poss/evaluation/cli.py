@@ -196,7 +196,7 @@ def run_bench(args) -> int:
     kind = device_kind(target.device, target.dtype)
     for name, folder in drafter_specs:
         drafter = load_drafter(folder, **kernels)
-        drafter.bind_target(target)
+        drafter.bind(target)  # checked against the target, moved beside its lm_head
         methods.extend(poss_methods(name, drafter, modes, source=str(folder), device_kind=kind, **budget))
 
     if args.batch_size:

@@ -111,7 +111,8 @@ def run_demo(args) -> int:
     dtype = resolve_dtype(args.dtype)
     print(f"Loading {DEFAULT_TARGET_NAME} ({str(dtype).removeprefix('torch.')}) ...", flush=True)
     target, tokenizer = load_default_target(dtype=dtype)
-    drafter = load_drafter(drafter_path).bind_target(target).eval()
+    drafter = load_drafter(drafter_path).eval()
+    drafter.bind(target)  # checked against the target, moved beside its lm_head
     drafter = drafter.with_generation_config(draft_mode=args.mode)  # this run's mode; the folder is left as it is
     budget, _ = resolve_budget(drafter.generation_config, device_kind(target.device, target.dtype))
     drafter_name = str(drafter_path) if args.drafter else f"shipped {DEFAULT_DRAFTERS['poss2']}"

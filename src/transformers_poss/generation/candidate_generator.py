@@ -7,7 +7,7 @@ import time
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..modeling_poss import PosSDrafter
+from ..binding import BoundDrafter
 from .drafting import DraftSession, draft_chain
 from .stats import GenerationStats
 
@@ -23,7 +23,7 @@ class PosSCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, drafter: PosSDrafter, generation_config, logits_processor=None):
+    def __init__(self, drafter: BoundDrafter, generation_config, logits_processor=None):
         """`generation_config` is the target's for this call (sampling, max length); the depth is the drafter's
         `generation_config.tree_depth`. The call's statistics accumulate in `self.stats`."""
         self.drafter = drafter

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling_poss import PosSDrafter
+from ..binding import BoundDrafter
 from .acceptance import accept, choose
 from .cache_surgery import MAX_HOLES, compact_cache, has_sliding_window, keep_accepted, realign
 from .drafting import DraftSession, DraftTree, draft_trees, graft_branch, lookup_continuation
@@ -106,7 +106,7 @@ class _Row:
 
 
 def tree_assisted_decoding(model, input_ids: torch.LongTensor, logits_processor, stopping_criteria, generation_config,
-                           drafter: PosSDrafter, streamer=None, attention_mask: torch.Tensor | None = None,
+                           drafter: BoundDrafter, streamer=None, attention_mask: torch.Tensor | None = None,
                            **model_kwargs):
     """Speculative tree decoding of `input_ids [B, P]` (left-padded as `attention_mask [B, P]` says, when given).
 
@@ -122,7 +122,7 @@ def tree_assisted_decoding(model, input_ids: torch.LongTensor, logits_processor,
 class _TreeLoop:
     """The state of one tree-decoding call: the rows, the drafter session, the target cache and its `valid` slots."""
 
-    def __init__(self, model, drafter: PosSDrafter, logits_processor, stopping_criteria, generation_config, streamer,
+    def __init__(self, model, drafter: BoundDrafter, logits_processor, stopping_criteria, generation_config, streamer,
                  cache):
         self.model, self.drafter, self.cache, self.streamer = model, drafter, cache, streamer
         self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria

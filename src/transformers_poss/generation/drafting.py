@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ..modeling_poss import PosSDrafter
+from ..binding import BoundDrafter
 
 
 def _grown(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -93,9 +93,10 @@ class DraftKVCache:
 
 
 class DraftSession:
-    """Drafter state across the rounds of one `generate` call, for `batch_size` rows."""
+    """Drafter state across the rounds of one `generate` call, for `batch_size` rows: `drafter` is the call's
+    binding of the drafter to its target."""
 
-    def __init__(self, drafter: PosSDrafter, batch_size: int = 1):
+    def __init__(self, drafter: BoundDrafter, batch_size: int = 1):
         self.drafter = drafter
         self.shared = drafter.config.shared_context_kv
         n = 1 if self.shared else drafter.config.num_specialists  # caches kept (one per specialist, or one shared)
@@ -304,7 +305,7 @@ class DraftTree:
         return self.tokens.shape[0]
 
 
-def _log_probs(drafter: PosSDrafter, features: torch.Tensor) -> torch.Tensor:
+def _log_probs(drafter: BoundDrafter, features: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(drafter.logits(features).float(), dim=-1)
 
 

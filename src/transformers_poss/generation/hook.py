@@ -26,6 +26,7 @@ import transformers
 from packaging import version
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+from ..binding import check_compatible
 from ..devices import device_kind
 from ..generation_config import DRAFTER_DEFAULT, TREE_BUDGET_KEYS, resolve_budget
 from .cache_surgery import has_sliding_window
@@ -115,7 +116,7 @@ def _unsupported_options(generation_config, generation_mode_kwargs) -> list[str]
 def validate_request(target, drafter, generation_config, generation_mode_kwargs) -> None:
     """All checks that can run before any forward pass; raises `ValueError`."""
     drafter.generation_config.validate()
-    drafter.check_compatible(target)
+    check_compatible(drafter, target)
     problems = _unsupported_options(generation_config, generation_mode_kwargs)
     if problems:
         raise ValueError("generate() with a PosS drafter does not support: " + "; ".join(problems))
@@ -149,8 +150,8 @@ class UntunedDeviceWarning(UserWarning):
 
 def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
     """Check the inputs (`input_ids` is `[B, prompt_len]`), resolve the drafter's budget for this device kind
-    (`resolve_budget`), and decode plainly where it says speculation does not pay; else bind the drafter and run the
-    chain or the tree loop, on 8-bit draft weights where the drafter's `int8_draft_weights` says so."""
+    (`resolve_budget`), and decode plainly where it says speculation does not pay; else bind the drafter to this target
+    for the call and run the chain or the tree loop."""
     configured = kwargs["assistant_model"].generation_config
     kind = device_kind(self.device, self.dtype)
     settings, sources = resolve_budget(configured, kind)
@@ -160,15 +161,14 @@ def _poss_assisted_decoding(self, input_ids, logits_processor, stopping_criteria
             "DRAFTER_FOLDER --prompts ...` on this device measures and writes one.", UntunedDeviceWarning,
             stacklevel=4,
         )
-    # This call's view of the drafter: every budget value as resolved, what the drafting loops read.
-    kwargs["assistant_model"] = drafter = kwargs["assistant_model"].with_generation_config(**settings)
-    reason = drafter.generation_config.plain_reason(kind, input_ids.shape[0])
+    # This call's settings: every budget value as resolved, what the drafting loops read.
+    call_settings = configured.updated(**settings)
+    reason = call_settings.plain_reason(kind, input_ids.shape[0])
     if reason is not None:
         out = _decode_plainly(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                              drafter.generation_config, reason, **kwargs)
+                              call_settings, reason, **kwargs)
     else:
-        with drafter.int8_weights(drafter.int8_draft_weights):
-            out = _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+        out = _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, call_settings, **kwargs)
     if isinstance(out, PosSGenerateOutput) and out.speculative_stats is not None:
         out.speculative_stats.budget = BudgetUsed(kind, settings, sources)
     return out
@@ -188,13 +188,13 @@ def _decode_plainly(self, input_ids, logits_processor, stopping_criteria, genera
     return PosSGenerateOutput(**out, speculative_stats=stats)
 
 
-def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    drafter = kwargs.get("assistant_model")
+def _decode(self, input_ids, logits_processor, stopping_criteria, generation_config, call_settings, **kwargs):
+    """Draft for this target (`self`) with the assistant bound to it for this call, on `call_settings`."""
+    drafter = kwargs["assistant_model"].bind(self, generation_config=call_settings)
+    drafter.eval()
     attention_mask = kwargs.get("attention_mask")
     _check_batch_request(drafter, generation_config, input_ids.shape[0], attention_mask, kwargs.get("streamer"))
     check_sliding_window(self, drafter, input_ids.shape[1], generation_config.max_length)
-    drafter.bind_target(self)
-    drafter.eval()
     if drafter.generation_config.draft_mode == "chain":
         # transformers' own loop asks `_get_candidate_generator` for the generator; it gets this one, whose
         # statistics then travel on the output.
@@ -242,8 +242,8 @@ def _check_batch_request(drafter, generation_config, batch_size: int, attention_
 def _poss_get_candidate_generator(self, generation_config, logits_processor, assistant_model, **unused):
     """The chain-mode candidate generator: the one `_poss_assisted_decoding` prepared for this call."""
     generator = _chain_generator.get()
-    if generator is None or generator.drafter is not assistant_model:
-        generator = PosSCandidateGenerator(assistant_model, generation_config, logits_processor)
+    if generator is None or generator.drafter.drafter is not assistant_model:
+        generator = PosSCandidateGenerator(assistant_model.bind(self), generation_config, logits_processor)
     return generator
 
 

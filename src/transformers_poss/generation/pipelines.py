@@ -4,7 +4,7 @@ drafter, through the same `generate` hook as `target.generate(assistant_model=dr
 transformers' `pipelines.base.load_assistant_model` compares the assistant's vocabulary size and special tokens with
 the model's: a drafter's config reports those of the target it was trained for (`PosSConfig.eos_token_id`, ...). It
 is wrapped once, so that with a PosS drafter it first refuses a drafter built for another target with the error
-`generate` gives (`PosSDrafter.check_compatible`), and loads a drafter folder or Hub id given as a string as a
+`generate` gives (`binding.check_compatible`), and loads a drafter folder or Hub id given as a string as a
 `PosSDrafter` (transformers would load a causal LM and its tokenizer from it). Other assistants pass through unchanged.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from ..binding import check_compatible
 from ..modeling_poss import PosSDrafter
 from .hook import is_poss_drafter
 
@@ -33,7 +34,7 @@ def _poss_load_assistant_model(model, assistant_model, assistant_tokenizer):
         if isinstance(assistant_model, str) and names_poss_drafter(assistant_model):
             assistant_model = PosSDrafter.from_pretrained(assistant_model)
         if is_poss_drafter(assistant_model):
-            assistant_model.check_compatible(model)
+            check_compatible(assistant_model, model)
     return _original["load_assistant_model"](model, assistant_model, assistant_tokenizer)
 
 

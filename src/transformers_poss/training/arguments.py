@@ -68,7 +68,8 @@ class TrainingArguments:
     draft_head_rows: int | None = field(default=None, metadata={
         "help": "store and train own head rows for only the first R draft tokens; the others read the target's "
                 "lm_head rows through a trained (H+1) x H map (default: all rows own)"})
-    fc_bias: bool = field(default=True, metadata={"help": "bias in the input projection (EAGLE-3: never)"})
+    fc_bias: bool | None = field(default=None, metadata={
+        "help": "bias in the input projection (default: the kind's: EAGLE-2 yes, EAGLE-3 no)"})
     drafter_type: str = field(default="eagle", metadata={
         "help": "eagle (EAGLE-2/HASS/PosS layers) or eagle3 (EAGLE-3 layers over the target's low/mid/high states, "
                 "its own norm and head, EAGLE-3's token-level loss; --feature-layers then names the fused states "

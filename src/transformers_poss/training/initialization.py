@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from ..lora import load_shared_layer
+from ..configuration_poss import DRAFTER_CONFIGS
 from ..modeling_poss import PosSDrafter
 from .arguments import TrainingArguments
 
@@ -22,32 +23,29 @@ def build_drafter(args: TrainingArguments, target, feature_layers: list[int] | N
     vocabulary is their most frequent assistant tokens, unless the warm start copies or grows the source's.
     Returns (drafter, record of the initialisation: `init_from`, `draft_vocab`)."""
     torch.manual_seed(args.seed)
-    variant = {}
-    if args.drafter_type == "eagle3":  # the states fc fuses; the final one (-1) is read besides them
-        fused = None if feature_layers is None else list(feature_layers)[:-1]
-        if fused == []:
-            raise ValueError("an EAGLE-3 drafter fuses low/mid/high target states: the features hold only the final "
-                             "one; extract them with `poss features --feature-layers 2,L/2,L-3,-1` (L: target depth)")
-        variant = {"drafter_type": "eagle3", "norm_before_residual": args.norm_before_residual, "fc_bias": False}
-        feature_layers = fused
+    kind = DRAFTER_CONFIGS[args.drafter_type]
+    kind_settings = {"feature_layers": kind.feature_layers_of(feature_layers), "fc_bias": args.fc_bias}
+    if args.norm_before_residual:  # an EAGLE-3 setting (the arguments refuse it for other kinds)
+        kind_settings["norm_before_residual"] = True
     drafter = PosSDrafter.from_target(
         target, num_specialists=args.specialist_count(), positions_per_specialist=args.positions_per_specialist,
         position_groups=args.position_group_list(), lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows,
+        draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows, drafter_type=args.drafter_type,
         tree_depth=args.tree_depth, tree_top_k=args.tree_top_k, tree_total_tokens=args.tree_total_tokens,
-        **{"fc_bias": args.fc_bias, "feature_layers": feature_layers, **variant},
+        **kind_settings,
     )
     counts = None
     if args.draft_vocab_size is not None and token_examples is not None:
         counts = count_token_frequencies(token_examples, drafter.config.vocab_size)
     record = {}
     if args.init_from:
-        record["init_from"] = warm_start(drafter, args.init_from, token_counts=counts)
+        record["init_from"] = warm_start(drafter, args.init_from, token_counts=counts, target=target)
     if counts is not None:
         copied = record.get("init_from", {}).get("draft_vocab_copied", False)
         grown = record.get("init_from", {}).get("draft_vocab_grown_from") is not None
         if not copied:
-            drafter.init_draft_vocab(top_token_ids(counts, args.draft_vocab_size))
+            drafter.init_draft_vocab(top_token_ids(counts, args.draft_vocab_size),
+                                     target.get_output_embeddings().weight)
         source = ("init_from's, grown by the most frequent assistant tokens of the training split" if grown
                   else "init_from" if copied else "most frequent assistant tokens of the training split")
         record["draft_vocab"] = {"size": args.draft_vocab_size, "own_head_rows": drafter.config.own_draft_head_rows,
@@ -56,11 +54,13 @@ def build_drafter(args: TrainingArguments, target, feature_layers: list[int] | N
     return drafter, record
 
 
-def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: torch.Tensor | None = None) -> dict:
+def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: torch.Tensor | None = None,
+               target=None) -> dict:
     """Initialise `drafter` from a trained drafter: its `fc`, and its layer `min(i, n_source - 1)` into specialist
     `i` (a single-specialist EAGLE/HASS drafter goes into every specialist); its draft vocabulary and head too when
     both use one of the same size and layout (`draft_head_rows`), or grown (`grow_draft_vocab`) when this drafter's
-    is larger, the source's head stores all its rows and `token_counts` `[V]` of the training data are given; its
+    is larger, the source's head stores all its rows and `token_counts` `[V]` of the training data and the `target`
+    (whose `lm_head` rows the new tokens start from) are given; its
     `fuse` when both read the same target layers (otherwise `fuse` keeps its initialisation, which passes the final
     hidden state through, so a last-layer-only source starts a fused drafter exactly where it stands).
     With LoRA specialists (`lora_rank`), the source's first layer becomes the shared layer and the adapters start
@@ -77,11 +77,12 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
                              f"this one {mine.get(key)!r}")
     if drafter.config.fc_bias != source.config.fc_bias:
         raise ValueError("cannot warm start: fc_bias differs between the drafters")
-    if drafter.config.drafter_type != source.config.drafter_type:
+    if type(drafter) is not type(source):
         raise ValueError(f"cannot warm start a {drafter.config.drafter_type} drafter from a "
                          f"{source.config.drafter_type} one: their layers differ")
-    if drafter.config.is_eagle3 and drafter.config.feature_layers != source.config.feature_layers:
-        raise ValueError("cannot warm start: the EAGLE-3 drafters fuse different target states")
+    if drafter.fuse is None and drafter.config.num_fused_states > 1 and \
+            drafter.config.feature_layers != source.config.feature_layers:  # fc itself fuses (EAGLE-3)
+        raise ValueError("cannot warm start: the drafters fuse different target states")
     with torch.no_grad():
         drafter.fc.load_state_dict(source.fc.state_dict())
         if drafter.norm is not None:  # EAGLE-3's final norm
@@ -102,9 +103,9 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
                 if drafter.draft_head_map is not None:
                     drafter.draft_head_map.load_state_dict(source.draft_head_map.state_dict())
                 drafter.draft_to_target.copy_(source.draft_to_target)
-            elif (token_counts is not None and source.draft_head_map is None
+            elif (token_counts is not None and target is not None and source.draft_head_map is None
                   and mine.draft_vocab_size > theirs.draft_vocab_size):
-                grow_draft_vocab(drafter, source, token_counts)
+                grow_draft_vocab(drafter, source, token_counts, target)
                 grown_from = theirs.draft_vocab_size
             copied_vocab = same_head or grown_from is not None
         copied_fuse = (drafter.fuse is not None and source.fuse is not None
@@ -118,8 +119,8 @@ def warm_start(drafter: PosSDrafter, source: PosSDrafter | str, token_counts: to
 
 
 # ---- draft vocabulary ----------------------------------------------------------------------------------------
-def grow_draft_vocab(drafter: PosSDrafter, source: PosSDrafter, token_counts: torch.Tensor) -> None:
-    """Give `drafter` (bound, draft vocabulary `Vd`) the source's smaller draft vocabulary `[Vs]` first, then the
+def grow_draft_vocab(drafter: PosSDrafter, source: PosSDrafter, token_counts: torch.Tensor, target) -> None:
+    """Give `drafter` (draft vocabulary `Vd`, for `target`) the source's smaller draft vocabulary `[Vs]` first, then the
     `Vd - Vs` tokens most frequent in `token_counts` `[V]` (ties: lower id) that the source lacks.
 
     A trained head drifts from the target's `lm_head` rows it started from, so the new tokens' rows are the
@@ -131,7 +132,7 @@ def grow_draft_vocab(drafter: PosSDrafter, source: PosSDrafter, token_counts: to
     rest = token_counts.clone()
     rest[source_ids] = -1
     new_ids = top_token_ids(rest, drafter.config.draft_vocab_size - len(source_ids))
-    target_rows = drafter.bound_target.get_output_embeddings().weight.detach().float().cpu()
+    target_rows = target.get_output_embeddings().weight.detach().float().cpu()
     source_rows = source.draft_lm_head.weight.detach().float().cpu()
 
     def with_bias(rows: torch.Tensor) -> torch.Tensor:

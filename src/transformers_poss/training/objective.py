@@ -34,7 +34,7 @@ Loss of step `j` (mean over its trained positions): `SmoothL1(P_j, f_{t+1})` (me
 (target `lm_head` rows of `draft_to_target` for the target side, the drafter's `draft_lm_head` for the draft side)
 when `config.draft_vocab_size` is set, else over the target vocabulary.
 
-EAGLE-3 drafters (`config.drafter_type == "eagle3"`) predict no target feature: their loss of step `j` is EAGLE-3's
+EAGLE-3 drafters (`PosSEagle3Drafter`, `predicts_target_features` False) predict no target feature: their loss of step `j` is EAGLE-3's
 token-level loss alone, `EAGLE3_STEP_DECAY ** j * CE(...)` over the draft vocabulary, averaged over the trained
 positions whose target top-1 token is in the draft vocabulary (SafeAILab/EAGLE `eagle/traineagle3/cnets.py` masks the
 others out; `eagle/traineagle3/main.py` weights step `j` by `0.8 ** j`); `soft_ce_weight` does not apply. The metrics
@@ -46,7 +46,6 @@ step's normalisation (theirs divides by all `B * L` rows): `tests/test_reference
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -105,12 +104,6 @@ class _KVSets:
         return torch.cat(self.keys, dim=-2), torch.cat(self.values, dim=-2)
 
 
-def _position_embeddings(drafter: PosSDrafter, hidden: torch.Tensor, position_ids: torch.Tensor):
-    if "layer_type" in inspect.signature(drafter.rotary_emb.forward).parameters:
-        return drafter.rotary_emb(hidden, position_ids, "full_attention")
-    return drafter.rotary_emb(hidden, position_ids)
-
-
 def _record_sets(drafter: PosSDrafter, specialist: int, sets: list[torch.Tensor], store: _KVSets) -> None:
     """Keys/values of input sets `[B, T, H]` each, with `specialist`'s weights, appended to `store` (no MLP)."""
     batch, length, _ = sets[0].shape
@@ -121,7 +114,7 @@ def _record_sets(drafter: PosSDrafter, specialist: int, sets: list[torch.Tensor]
     store.record_only = True
     try:
         attention(hidden_states=drafter.attention_inputs(specialist, hidden),
-                  position_embeddings=_position_embeddings(drafter, hidden, positions),
+                  position_embeddings=drafter.rope(hidden, positions),
                   attention_mask=mask, cache=store)
     finally:
         store.record_only = False
@@ -212,22 +205,22 @@ class ObjectiveOutput(ModelOutput):
 
 
 class UnrolledObjective(nn.Module):
-    """Wraps a bound drafter so `accelerate`/DDP see one module whose `forward` returns the training loss.
+    """Wraps a drafter so `accelerate`/DDP see one module whose `forward` returns the training loss.
 
-    The target (embedding, `lm_head`) stays outside the module: it is bound to the drafter, frozen, not saved.
+    The target (embedding, `lm_head`) stays outside the module: the drafter reads it through its binding (`bound`),
+    frozen, not saved.
     """
 
-    def __init__(self, drafter: PosSDrafter, depth: int, soft_ce_weight: float = 0.1, top_k: int = 10,
+    def __init__(self, drafter: PosSDrafter, target, depth: int, soft_ce_weight: float = 0.1, top_k: int = 10,
                  detach_fed_back: bool = True, loss_rows: str = "drafted-token"):
         super().__init__()
         check_trainable(drafter, depth)
         if loss_rows not in LOSS_ROWS:
             raise ValueError(f"loss_rows must be one of {LOSS_ROWS}, got {loss_rows!r}")
-        if drafter.bound_target is None:
-            raise ValueError("bind the drafter to its target before training (`drafter.bind_target(target)`)")
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
         self.drafter = drafter
+        self.bound = drafter.bind(target, move=False)
         self.depth = depth
         self.soft_ce_weight = soft_ce_weight
         self.top_k = top_k
@@ -236,13 +229,13 @@ class UnrolledObjective(nn.Module):
 
     def loss_record(self) -> dict:
         """The loss of each unroll step, for the training record."""
-        if self.drafter.config.is_eagle3:
+        if not self.drafter.predicts_target_features:
             return {"loss": f"token soft-CE over the draft vocabulary, step j weighted {EAGLE3_STEP_DECAY}**j"}
         return {"loss": "feature smooth-L1 + soft_ce_weight * token soft-CE", "soft_ce_weight": self.soft_ce_weight}
 
     # ---- target side --------------------------------------------------------------------------------------------
     def _target_head(self) -> tuple[torch.Tensor, float | None]:
-        target = self.drafter.bound_target
+        target = self.bound.target
         weight = target.get_output_embeddings().weight
         softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
         return weight, softcap
@@ -274,7 +267,7 @@ class UnrolledObjective(nn.Module):
             tokens; input_features: `[B, L, nH]` step-0 inputs (noised), defaults to `features`; target_argmax:
             `[B, L]` the target's greedy token after each position (computed when None).
         """
-        drafter = self.drafter
+        drafter = self.bound
         predictions = unrolled_forward(drafter, input_ids, features if input_features is None else input_features,
                                        self.depth, detach_fed_back=self.detach_fed_back)
         trained = prediction_mask(loss_mask, self.loss_rows)  # [B, T]
@@ -287,8 +280,8 @@ class UnrolledObjective(nn.Module):
         else:
             greedy = self.greedy_tokens(goal)
         device = goal.device
-        eagle3 = drafter.config.is_eagle3
-        if eagle3:  # EAGLE-3 trains only where the target's top token can be drafted
+        feature_loss_trained = drafter.predicts_target_features
+        if not feature_loss_trained:  # EAGLE-3 trains only where the target's top token can be drafted
             drafted = torch.zeros(drafter.config.vocab_size, dtype=torch.bool, device=device)
             drafted[drafter.to_target_ids(torch.arange(drafter.config.draft_vocab_size, device=device))] = True
             in_draft_vocab = drafted[greedy.to(device)]
@@ -309,7 +302,7 @@ class UnrolledObjective(nn.Module):
                 continue
             logits = drafter.logits(pred).float()
             token_ce = -(target_probs[keep] * torch.log_softmax(logits, dim=-1)).sum(-1)  # [n]
-            if eagle3:
+            if not feature_loss_trained:
                 feature_loss = torch.zeros((), device=device)
                 weights = in_draft_vocab[keep].float()
                 soft_ce = (token_ce * weights).sum() / weights.sum().clamp(min=1.0)

@@ -34,7 +34,7 @@ def run_training(args: TrainingArguments) -> PosSDrafter:
         resident_embeddings(target, accelerator.device)
     data = prepare_datasets(args, tokenizer)
     drafter, init_record = build_drafter(args, target, data.feature_layers, data.train.token_examples())
-    trainer = PosSTrainer(args, drafter, data.train, data.validation, data_record=data.record,
+    trainer = PosSTrainer(args, drafter.bind(target, move=False), data.train, data.validation, data_record=data.record,
                           accelerator=accelerator, init_record=init_record)
     if args.resume:
         resumed = trainer.resume(args.resume)

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from ..binding import BoundDrafter
 from ..extras import require
 from ..modeling_poss import PosSDrafter
 from .arguments import TrainingArguments
@@ -94,14 +95,14 @@ class PosSTrainer:
 
     Args:
         args: `TrainingArguments`.
-        drafter: a `PosSDrafter` bound to its (frozen) target.
+        drafter: a `PosSDrafter` bound to its (frozen) target (`drafter.bind(target)`, a `BoundDrafter`).
         train_dataset / val_dataset: torch datasets of items as `ExampleDataset` or `FeatureDataset` yield.
         data_record: description of the data, stored in `drafter.training_record["data"]`.
         accelerator: an `accelerate.Accelerator` (`build_accelerator(args)` when None).
         init_record: how the drafter was initialised (`build_drafter`'s record), merged into its training record.
     """
 
-    def __init__(self, args: TrainingArguments, drafter: PosSDrafter, train_dataset, val_dataset=None,
+    def __init__(self, args: TrainingArguments, drafter: BoundDrafter, train_dataset, val_dataset=None,
                  data_record: dict | None = None, accelerator=None, init_record: dict | None = None):
         from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
@@ -110,15 +111,15 @@ class PosSTrainer:
         self.args = args
         self.accelerator = accelerator or build_accelerator(args)
         acc = self.accelerator
-        target = drafter.bound_target
-        if target is None:
-            raise ValueError("bind the drafter to its target first")
+        if not isinstance(drafter, BoundDrafter):
+            raise ValueError("train a drafter bound to its target: PosSTrainer(args, drafter.bind(target), ...)")
+        drafter, target = drafter.drafter, drafter.target
         target.requires_grad_(False).eval()
         if not getattr(target, "hf_device_map", None):  # a target split by a device map stays where it was placed
             target.to(acc.device)
-        drafter.to(device=acc.device, dtype=torch.float32).bind_target(target, move=False)
+        drafter.to(device=acc.device, dtype=torch.float32)
         self.depth = args.unroll_depth()
-        objective = UnrolledObjective(drafter, self.depth, soft_ce_weight=args.soft_ce_weight, top_k=args.tree_top_k,
+        objective = UnrolledObjective(drafter, target, self.depth, soft_ce_weight=args.soft_ce_weight, top_k=args.tree_top_k,
                                       detach_fed_back=args.detach_fed_back, loss_rows=args.loss_rows)
         optimizer = torch.optim.AdamW(objective.parameters(), lr=args.lr, betas=(args.beta1, args.beta2),
                                       weight_decay=args.weight_decay)
@@ -162,7 +163,7 @@ class PosSTrainer:
         if "features" in batch:
             features, argmax = batch["features"], batch["target_argmax"]
         else:
-            features, argmax = target_features(self.drafter.bound_target, batch["input_ids"], batch["attention_mask"],
+            features, argmax = target_features(self.objective.bound.target, batch["input_ids"], batch["attention_mask"],
                                                self.drafter.config.input_feature_layers)
         inputs = {"input_ids": batch["input_ids"], "features": features, "loss_mask": batch["loss_mask"],
                   "target_argmax": argmax, "input_features": None}
