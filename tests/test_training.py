@@ -230,7 +230,7 @@ def test_token_frequencies_and_draft_vocab():
         top_token_ids(counts, 13)
     target = tiny_target("llama")
     drafter = PosSDrafter.from_target(target, draft_vocab_size=3)
-    drafter.init_draft_vocab(top_token_ids(counts, 3))
+    drafter.bind(target).init_draft_vocab(top_token_ids(counts, 3))
     assert torch.equal(drafter.draft_lm_head.weight, target.lm_head.weight[[7, 9, 3]])
 
 
@@ -261,7 +261,7 @@ def affine_trained_source():
     torch.manual_seed(1)
     source = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=80)
     source_ids = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:80]
-    source.init_draft_vocab(source_ids)
+    source.bind(target).init_draft_vocab(source_ids)
     scale, shift = torch.randn(64, 64) / 8, torch.randn(64)
     with torch.no_grad():
         source.draft_lm_head.weight.copy_(target.lm_head.weight.detach().cpu()[source_ids] @ scale + shift)
@@ -276,7 +276,7 @@ def test_grown_draft_vocabulary_keeps_the_trained_head_and_maps_the_new_rows():
     target, source, source_ids, scale, shift, counts = affine_trained_source()
     lm_head = target.lm_head.weight.detach().cpu()
     grown = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120)
-    info = warm_start(grown, source, token_counts=counts)
+    info = warm_start(grown, source, token_counts=counts, target=target)
     assert info["draft_vocab_copied"] is True and info["draft_vocab_grown_from"] == 80
     rest = counts.double()
     rest[source_ids] = -1
@@ -303,25 +303,28 @@ def test_draft_head_with_mapped_rows_grows_saves_and_trains(tmp_path):
     lm_head = target.lm_head.weight.detach().cpu()
     hybrid = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120,
                                      draft_head_rows=90)
-    info = warm_start(hybrid, source, token_counts=counts)
+    info = warm_start(hybrid, source, token_counts=counts, target=target)
     assert info["draft_vocab_grown_from"] == 80
     assert hybrid.draft_lm_head.weight.shape == (90, 64) and hybrid.draft_head_map.weight.shape == (65, 64)
     ids = hybrid.draft_to_target.cpu()
     features = torch.randn(3, 64).to(DEVICE)
     expected_rows = torch.cat((source.draft_lm_head.weight.detach().cpu(), lm_head[ids[80:]] @ scale + shift))
-    torch.testing.assert_close(hybrid.logits(features).detach().cpu(), features.cpu() @ expected_rows.T,
+    hybrid_logits = hybrid.bind(target).logits
+    torch.testing.assert_close(hybrid_logits(features).detach().cpu(), features.cpu() @ expected_rows.T,
                                rtol=1e-4, atol=1e-3)
 
     hybrid.save_pretrained(tmp_path / "hybrid")
     from safetensors.torch import load_file
     stored = load_file(tmp_path / "hybrid" / "model.safetensors")
     assert stored["draft_lm_head.weight"].shape == (90, 64) and stored["draft_head_map.weight"].shape == (65, 64)
-    loaded = PosSDrafter.from_pretrained(tmp_path / "hybrid").bind(target)
+    loaded_drafter = PosSDrafter.from_pretrained(tmp_path / "hybrid")
+    loaded = loaded_drafter.bind(target)
     assert loaded.config.draft_head_rows == 90
-    assert torch.equal(loaded.logits(features), hybrid.logits(features))
+    assert torch.equal(loaded.logits(features), hybrid_logits(features))
     prompt = torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
-    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=loaded), plain)
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=loaded_drafter),
+                       plain)
 
     before = loaded.draft_head_map.weight.detach().clone()
     optimizer = torch.optim.SGD(loaded.parameters(), lr=0.1)
@@ -329,15 +332,15 @@ def test_draft_head_with_mapped_rows_grows_saves_and_trains(tmp_path):
     assert loaded.draft_lm_head.weight.grad is None or not loaded.draft_lm_head.weight.grad.any()
     optimizer.step()
     assert not torch.equal(loaded.draft_head_map.weight, before)
-    assert not torch.equal(loaded.logits(features), hybrid.logits(features))  # the cached rows are not stale state
+    assert not torch.equal(loaded.logits(features), hybrid_logits(features))  # the cached rows are not stale state
 
     shrunk = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=2, draft_vocab_size=120,
                                      draft_head_rows=50)  # fewer own rows than the source: its last 30 get mapped
-    warm_start(shrunk, source, token_counts=counts)
+    warm_start(shrunk, source, token_counts=counts, target=target)
     assert torch.equal(shrunk.draft_to_target, hybrid.draft_to_target)
-    torch.testing.assert_close(shrunk.logits(features), hybrid.logits(features), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(shrunk.bind(target).logits(features), hybrid_logits(features), rtol=1e-4, atol=1e-3)
 
-    fresh = PosSDrafter.from_target(target, draft_vocab_size=120, draft_head_rows=0)
+    fresh = PosSDrafter.from_target(target, draft_vocab_size=120, draft_head_rows=0).bind(target)
     fresh.init_draft_vocab(ids)
     torch.testing.assert_close(fresh.logits(features), features @ target.lm_head.weight[ids.to(DEVICE)].T)
     for rows, vocab in ((5, None), (121, 120), (-1, 120)):
@@ -363,11 +366,11 @@ def test_fused_drafter_starts_where_its_last_layer_source_stands(tmp_path):
         assert wide.shape == (2, 12, 3 * 64)
         assert torch.equal(wide[..., 64:128], out.hidden_states[1])
         assert torch.equal(wide[..., -64:], out.hidden_states[-1])
-        expected = unrolled_forward(source, ids, out.hidden_states[-1], 3)
-        for got, want in zip(unrolled_forward(fused, ids, wide, 3), expected):
+        expected = unrolled_forward(source.bind(target), ids, out.hidden_states[-1], 3)
+        for got, want in zip(unrolled_forward(fused.bind(target), ids, wide, 3), expected):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         torch.nn.init.normal_(fused.fuse.weight, std=0.1)  # "trained": the lower layers now matter
-        moved = unrolled_forward(fused, ids, wide, 3)[0]
+        moved = unrolled_forward(fused.bind(target), ids, wide, 3)[0]
         assert (moved - expected[0]).abs().max() > 1e-3
     fused.save_pretrained(tmp_path / "fused")
     loaded = PosSDrafter.from_pretrained(tmp_path / "fused")
@@ -432,8 +435,8 @@ def make_trainer(target, tmp_path, examples, val=None, seed=0, **overrides):
                                       draft_vocab_size=args.draft_vocab_size, draft_head_rows=args.draft_head_rows)
     if args.draft_vocab_size:
         counts = count_token_frequencies(examples, 96)
-        drafter.init_draft_vocab(top_token_ids(counts, args.draft_vocab_size))
-    return PosSTrainer(args, drafter, ExampleDataset(examples), ExampleDataset(val) if val else None,
+        drafter.bind(target).init_draft_vocab(top_token_ids(counts, args.draft_vocab_size))
+    return PosSTrainer(args, drafter.bind(target), ExampleDataset(examples), ExampleDataset(val) if val else None,
                        data_record={"source": "greedy continuations of a tiny target"})
 
 
@@ -596,7 +599,7 @@ def test_offline_features_round_trip_and_resume(tmp_path, fresh_accelerate):
                              num_specialists=1, positions_per_specialist=3, batch_size=2, mixed_precision="no",
                              progress=False, max_steps=2, save_steps=0)
     drafter = PosSDrafter.from_target(target, num_specialists=1, positions_per_specialist=3)
-    trainer = PosSTrainer(args, drafter, dataset, dataset)
+    trainer = PosSTrainer(args, drafter.bind(target), dataset, dataset)
     record = trainer.train()
     assert record["steps"] == 2 and all(0 <= a <= 1 for a in record["validation_position_accuracy"])
 
@@ -669,7 +672,7 @@ def test_features_of_several_target_layers_train_a_fused_drafter(tmp_path, fresh
     drafter, _ = build_drafter(args, target, data.feature_layers, data.train.token_examples())
     assert drafter.config.feature_layers == [1, -1] and drafter.fuse is not None
     before = drafter.fuse.weight.detach().clone()
-    PosSTrainer(args, drafter, data.train, data.validation).train()
+    PosSTrainer(args, drafter.bind(target), data.train, data.validation).train()
     trained = PosSDrafter.from_pretrained(tmp_path / "run")
     assert trained.config.feature_layers == [1, -1] and not torch.equal(trained.fuse.weight.float(), before.cpu())
     args.feature_layers = "0,-1"
@@ -775,11 +778,13 @@ def test_objective_counts_the_target_token_in_the_draft_top_k():
         UnrolledObjective(drafter, target, 2, top_k=0)
 
 
-def test_objective_rejects_unbound_drafter():
+def test_trainer_rejects_an_unbound_drafter(tmp_path):
     target = tiny_target("llama")
-    drafter = PosSDrafter(PosSDrafter.from_target(target).config)
-    with pytest.raises(ValueError, match="bind"):
-        UnrolledObjective(drafter, 1)
+    drafter = PosSDrafter.from_target(target)
+    args = TrainingArguments(output_dir=str(tmp_path), target="tiny", data="memory", mixed_precision="no",
+                             progress=False)
+    with pytest.raises(ValueError, match=r"drafter\.bind\(target\)"):
+        PosSTrainer(args, drafter, ExampleDataset(greedy_examples(target, 2)))
 
 
 def test_command_line_end_to_end(tmp_path, fresh_accelerate):

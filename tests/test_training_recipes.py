@@ -82,7 +82,7 @@ def _eagle3_case(drafter_type: str = "eagle3"):
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     with torch.no_grad():
         out = target(ids, output_hidden_states=drafter.config.input_feature_layers)
-    return drafter, ids, drafter.target_features(out.hidden_states)
+    return drafter.bind(target), ids, drafter.target_features(out.hidden_states)
 
 
 def test_fed_back_states_carry_gradients_only_when_not_detached():
@@ -102,7 +102,7 @@ def test_detaching_changes_the_gradients_not_the_losses():
     outputs, grads = [], []
     for detach in (True, False):
         drafter.zero_grad()
-        out = UnrolledObjective(drafter, depth=4, detach_fed_back=detach, loss_rows="state-token")(
+        out = UnrolledObjective(drafter.drafter, drafter.target, depth=4, detach_fed_back=detach, loss_rows="state-token")(
             ids, features, loss_mask)
         out.loss.backward()
         outputs.append(out)
@@ -121,7 +121,7 @@ def test_the_training_record_says_which_recipe_ran(tmp_path):
     examples = [{"input_ids": row.tolist(), "loss_mask": [1] * ids.shape[1]} for row in ids]
     args = TrainingArguments(output_dir=str(tmp_path), target="t", data="d", drafter_type="eagle3", depth=3,
                              max_steps=2, batch_size=2, mixed_precision="no", progress=False, save_steps=0)
-    trainer = PosSTrainer(args, drafter, ExampleDataset(examples))
+    trainer = PosSTrainer(args, drafter, ExampleDataset(examples))  # `drafter`: bound to its target
     record = trainer.train()
     assert record["recipe"]["name"] == "specforge-eagle3" and record["recipe"]["overridden"] == {"depth": 3}
     assert record["objective"]["detach_fed_back"] is False and record["objective"]["loss_rows"] == "state-token"

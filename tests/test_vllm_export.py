@@ -74,9 +74,10 @@ def test_vllm_export_of_a_poss_drafter(tmp_path):
     with torch.no_grad():
         features = target(ids, output_hidden_states=True).hidden_states[-1]
         lm_head = target.get_output_embeddings().weight.detach().cpu()
+        bound = drafter.bind(target)
         for specialist in range(3):
-            hidden = drafter(ids, features, specialist=specialist).features
-            library = drafter.logits(hidden)
+            hidden = bound(ids, features, specialist=specialist).features
+            library = bound.logits(hidden)
             ours = plugin_logits(tensors, hidden.cpu(), lm_head, 96)
             torch.testing.assert_close(ours[..., drafter.draft_to_target.cpu()], library.cpu(), rtol=1e-5, atol=1e-5)
             assert torch.equal(drafter.to_target_ids(library.argmax(-1)).cpu(), ours.argmax(-1))
