@@ -33,7 +33,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_default_target(dtype=torch.bfloat16)
-    drafter = PosSDrafter.from_pretrained(args.drafter or default_drafter_path("poss2")).bind(target).eval()
+    drafter = PosSDrafter.from_pretrained(args.drafter or default_drafter_path("poss2"),
+                                          int8_draft_weights=args.int8).eval().bind(target)
     text = "Explain in detail how a CPU cache hierarchy works and why it matters for performance. " * 8
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :300]
     with torch.no_grad():
@@ -52,8 +53,6 @@ def main() -> None:
         session.end_round()
         return time.perf_counter() - start
 
-    int8 = drafter.int8_weights(args.int8)
-    int8.__enter__()  # for the rest of the script
     for _ in range(5):
         one_round()
     times = []

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     target, tokenizer = load_default_target(dtype=resolve_dtype(args.dtype))
     drafter = load_drafter(args.drafter or default_drafter_path("poss2"),
-                           int8_draft_weights=args.int8_draft_weights).bind(target)
+                           int8_draft_weights=args.int8_draft_weights)
     questions = [q for qs in load_prompt_sets(args.prompts, per_category=args.per_category).values() for q in qs]
     prompts = [tokenizer(chat_prompt(tokenizer, q.turns[:1], []), return_tensors="pt").input_ids for q in questions]
 
