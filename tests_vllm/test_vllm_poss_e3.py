@@ -28,13 +28,12 @@ def authors_layer(position: int) -> int:
 
 
 def planned_calls(k: int, layers: int) -> list[int]:
-    """Calls per layer in one round of K draft tokens, by poss_vllm's plan (`poss_vllm.model._PosSBase._plan`): the
-    first pass runs every layer that drafts at K; the step of position p runs p's layer and the later drafting ones."""
-    drafting = authors_layer(k) + 1
-    calls = [1] * drafting + [0] * (layers - drafting)
-    for position in range(2, k + 1):
-        for layer in range(authors_layer(position), drafting):
-            calls[layer] += 1
+    """Calls per layer in one round of K draft tokens, by poss_vllm's plan for a shared key/value list
+    (`poss_vllm.model._PosSBase._plan`): the first pass (position 1) and each later position's step run that
+    position's layer alone, which writes the one KV cache."""
+    calls = [0] * layers
+    for position in range(1, k + 1):
+        calls[authors_layer(position)] += 1
     return calls
 
 
@@ -71,13 +70,13 @@ def test_poss_e3_per_position_acceptance_matches_the_library(vllm_runs, referenc
 
 
 def test_poss_e3_positions_run_the_layers_training_used(vllm_runs):
-    """Positions 1-3 on layer 0, 4-6 on layer 1, 7 on layer 2: per round the calls are `planned_calls` (3, 6, 7);
-    vLLM's dummy runs add the same count to every layer. Another map (e.g. 2 positions per layer: 2, 4, 7; the
-    (1, 3, 4) split: 1, 4, 7) gives other differences between layers."""
+    """Positions 1-3 on layer 0, 4-6 on layer 1, 7 on layer 2, each alone (the shared key/value list): per round the
+    calls are `planned_calls` (3, 3, 1); vLLM's dummy runs add the same count to every layer. Another map (e.g. 2
+    positions per layer: 2, 2, 3; the (1, 3, 4) split: 1, 3, 3) gives other differences between layers."""
     calls = vllm_runs.get("poss_e3", K, method="eagle3")["specialist_calls"]
     expected = planned_calls(K, 3)
     print(f"K={K} layer calls {calls}, per round {expected}")
-    assert expected == [3, 6, 7] and len(calls) == 3
+    assert expected == [3, 3, 1] and len(calls) == 3
     rounds, remainder = divmod(calls[-1] - calls[0], expected[-1] - expected[0])
     assert rounds > 0 and remainder == 0, calls
     assert [c - calls[0] for c in calls] == [rounds * (e - expected[0]) for e in expected], calls

@@ -20,7 +20,7 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.llama_eagle3 import LlamaDecoderLayer as Eagle3DecoderLayer
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 
-from . import PosSServingError, check_vllm_version, logger
+from . import PosSServingError, check_vllm_version
 from .config import (check_engine_mode, check_target, check_weights, position_groups, safetensors_names,
                      specialist_for_position)
 
@@ -73,11 +73,9 @@ class _PosSBase:
         check_target(poss, vllm_config.model_config.hf_config)
         self.weights_path = check_weights(speculative.draft_model_config.model, poss)
         self.poss = poss
-        if poss.get("shared_context_kv"):
-            logger.warning(
-                "poss_vllm: this drafter was trained with one key/value list shared by its specialists (the PosS "
-                "authors' PosS-on-EAGLE-3 layout); vLLM serves it with a KV cache per specialist, so acceptance from "
-                "the first position of its second specialist on may be lower than transformers_poss drafts it")
+        # One key/value list for every specialist (the PosS authors' PosS-on-EAGLE-3 training, `shared_context_kv`):
+        # the context's keys/values are specialist 0's, each draft step adds those of the specialist that drafts it.
+        self.shared_kv = bool(poss.get("shared_context_kv"))
         self.num_specialists = poss["num_specialists"]
         self.position_groups = position_groups(poss)
         # Specialists 0 .. drafting - 1 serve positions 1 .. K; later ones would only write KV nobody reads.
@@ -109,7 +107,17 @@ class _PosSBase:
                 "build_per_group_and_layer_attn_metadata was not called before it)"
             )
         used = self.specialist_for_position(index + 1)
+        if self.shared_kv:  # one cache: only the drafting specialist writes to it
+            return used, range(used, used + 1)
         return used, range(0 if index == 0 else used, self.drafting_specialists)
+
+    def _share_attention(self) -> None:
+        """With a shared key/value list, every specialist's attention reads and writes specialist 0's KV cache: its
+        vLLM `Attention` (the cache's owner; the other specialists keep their projections, norms and MLP)."""
+        if self.shared_kv:
+            shared = self.model.layers[0].self_attn.attn
+            for layer in self.model.layers[1:]:
+                layer.self_attn.attn = shared
 
     # ---- weights --------------------------------------------------------------------------------------------------
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]], rename) -> set[str]:
@@ -194,6 +202,7 @@ class PosSEagleForCausalLM(_PosSBase, EagleLlamaForCausalLM):
             _EagleSpecialist(vllm_config, maybe_prefix(prefix, f"model.layers.{target_layers + s}"), config)
             for s in range(self.num_specialists)
         )
+        self._share_attention()
         self.target_vocab_size = vllm_config.model_config.get_vocab_size()
         draft_vocab = poss.get("draft_vocab_size")
         self.draft_vocab_size = draft_vocab
@@ -290,6 +299,7 @@ class PosSEagle3LlamaForCausalLM(_PosSBase, Eagle3LlamaForCausalLM):
                                config=config, layer_idx=0)
             for s in range(self.num_specialists)
         )
+        self._share_attention()
         self.model.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.target_vocab_size = vllm_config.model_config.get_vocab_size()
