@@ -4,7 +4,7 @@
 # ab-flow:   one EAGLE-3 specialist, gradients through the fed-back states (the recipe), planned for 9,300 steps (the
 #            shipped EAGLE-2-style pair's count) so that its first 1,500 are the A/B's and the rest the long run;
 # ab-detach: the same with --detach-fed-back (the old objective), the A/B's other arm: stop it (Ctrl-C or SIGTERM
-#            writes a checkpoint) once its step-1,500 validation is logged;
+#            writes a checkpoint) once its step-1,500 validation is logged (README: the A/B, run);
 # poss2:     the PosS-2 fork (3 specialists x 2 positions) from ab-flow's weights, trained alike.
 # Every run checkpoints each 100 steps and resumes from its latest checkpoint when the same command runs again
 # (`--resume auto`); its training_record.json says where it resumed.
