@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -206,7 +207,7 @@ class PosSDrafter(PosSPreTrainedModel):
         (`checkpoints.loading.save_drafter_files`). No model card: `push_to_hub`, `poss card` and `poss train` write
         it. With `push_to_hub=True` (and `repo_id`, default the folder's name) the folder is then uploaded with it."""
         if push_to_hub and is_main_process:
-            return self.push_to_hub(kwargs.pop("repo_id", loading.folder_name(save_directory)),
+            return self.push_to_hub(kwargs.pop("repo_id", Path(save_directory).name),
                                     folder=save_directory, **kwargs)
         result = super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         if is_main_process:

@@ -89,8 +89,3 @@ def save_drafter_files(drafter, save_directory) -> None:
             path.write_text(json.dumps(getattr(drafter, key), indent=2, sort_keys=True) + "\n", encoding="utf-8")
         elif path.exists():  # a record of earlier weights does not describe these
             path.unlink()
-
-
-def folder_name(save_directory) -> str:
-    """The default Hub repo id of a folder: its name."""
-    return Path(save_directory).name

@@ -235,10 +235,8 @@ class UnrolledObjective(nn.Module):
 
     # ---- target side --------------------------------------------------------------------------------------------
     def _target_head(self) -> tuple[torch.Tensor, float | None]:
-        target = self.bound.target
-        weight = target.get_output_embeddings().weight
-        softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-        return weight, softcap
+        softcap = getattr(self.bound.target.config.get_text_config(), "final_logit_softcapping", None)
+        return self.bound.lm_head.weight, softcap
 
     @torch.no_grad()
     def target_logits(self, features: torch.Tensor, draft_vocab: bool = True) -> torch.Tensor:
