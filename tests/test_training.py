@@ -22,7 +22,10 @@ from transformers_poss.training import (
 from transformers_poss.training.cli import arguments_from_namespace, build_train_parser
 from transformers_poss.training.data import ExampleDataset, assistant_mask_method, collate
 from transformers_poss.training.features import target_features
-from transformers_poss.training.objective import check_trainable
+from transformers_poss.layers import additive_mask
+from transformers_poss.training.objective import (
+    check_trainable, soft_cross_entropy, sparse_unrolled_attention, unrolled_attention,
+)
 
 # ---- tiny tokenizers with real chat templates ------------------------------------------------------------------
 SMOLLM2_TEMPLATE = (
@@ -152,6 +155,62 @@ def test_unrolled_attention_pattern():
     assert allowed[t, 5:10].tolist() == [False, False, False, True, False]
     assert allowed[t, 10:15].tolist() == [False, False, False, False, True]
     assert allowed.sum(-1).tolist() == [1, 2, 3, 4, 5]  # queries t < 2 see only their own draft inputs
+
+
+@pytest.mark.parametrize("step", [0, 1, 3, 6])
+def test_unrolled_attention_reads_only_the_allowed_keys(step):
+    """The sparse attention of unroll step j = dense SDPA under `unrolled_allowed`'s mask, forward and gradients
+    (float64, grouped-query heads), including the queries t < j that see no committed context."""
+    batch, heads, kv_heads, length, dim = 2, 6, 2, 9, 8
+    gen = torch.Generator().manual_seed(step)
+    query = torch.randn(batch, heads, length, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    key = torch.randn(batch, kv_heads, (step + 1) * length, dim, generator=gen, dtype=torch.float64,
+                      requires_grad=True)
+    value = torch.randn(key.shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(batch, length, heads, dim, generator=gen, dtype=torch.float64)
+    sparse, _ = unrolled_attention(None, query, key, value, scaling=0.3)
+    sparse_grads = torch.autograd.grad((sparse * weights).sum(), (query, key, value))
+    groups = heads // kv_heads
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
+        attn_mask=additive_mask(unrolled_allowed(length, step), torch.float64), scale=0.3).transpose(1, 2)
+    dense_grads = torch.autograd.grad((dense * weights).sum(), (query, key, value))
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-12)
+    for got, want in zip(sparse_grads, dense_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="whole input sets"):
+        unrolled_attention(None, query, key[:, :, 1:], value[:, :, 1:])
+
+
+@pytest.mark.parametrize("family,sparse", [("llama", True), ("qwen2", True), ("gemma3", False)])
+def test_sparse_unrolled_attention_switches_plain_families_and_restores(family, sparse):
+    target = tiny_target(family)
+    drafter = PosSDrafter.from_target(target, num_specialists=2)
+    config = drafter.specialists[0].self_attn.config
+    before = config._attn_implementation
+    with sparse_unrolled_attention(drafter):
+        inside = {layer.self_attn.config._attn_implementation for layer in drafter.specialists}
+    assert inside == ({"poss_unrolled"} if sparse else {before})
+    assert config._attn_implementation == before
+
+
+def test_soft_cross_entropy_matches_the_log_softmax_form():
+    """Loss and gradient of the fused soft cross-entropy = `-(p * log_softmax(z)).sum(-1)`'s, in float64 and with
+    float32 logits under bfloat16 autocast (where a matmul would round to bfloat16)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 300, generator=gen, dtype=torch.float64, requires_grad=True)
+    probs = torch.softmax(torch.randn(40, 300, generator=gen, dtype=torch.float64), -1)
+    weights = torch.rand(40, generator=gen, dtype=torch.float64)
+    fused = soft_cross_entropy(logits, probs)
+    reference = -(probs * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(fused, reference, rtol=0, atol=1e-12)
+    (fused_grad,) = torch.autograd.grad((fused * weights).sum(), logits)
+    (reference_grad,) = torch.autograd.grad((reference * weights).sum(), logits)
+    torch.testing.assert_close(fused_grad, reference_grad, rtol=0, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused32 = soft_cross_entropy(logits.float() * 10, probs.float())
+    torch.testing.assert_close(fused32, -(probs * torch.log_softmax(logits * 10, -1)).sum(-1).float(),
+                               rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("family,num_specialists,k,feature_layers,shared", [

@@ -46,14 +46,16 @@ step's normalisation (theirs divides by all `B * L` rows): `tests/test_reference
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
 from transformers.utils import ModelOutput
 
-from ..layers import additive_mask, softcap_logits
+from ..layers import LEAN_FAMILIES, additive_mask, softcap_logits
 from ..modeling_poss import PosSDrafter
 from .recipes import LOSS_ROWS
 
@@ -81,6 +83,99 @@ def prediction_mask(loss_mask: torch.Tensor, loss_rows: str = "drafted-token") -
     mask = torch.zeros_like(loss_mask[:, 1:], dtype=torch.bool)
     mask[:, :-1] = loss_mask[:, 2:].bool()
     return mask
+
+
+def unrolled_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None, dropout: float = 0.0,
+                       scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The attention of unroll step `j` under `unrolled_allowed(T, j)`, reading only the keys it allows: query `t`
+    reads positions `s <= t - j` of input set 0 (the committed context) and position `t - j + i` of each set `i` in
+    `1 .. j` (one draft node each). The dense masked attention scores `(j + 1) * T` keys per query; this scores
+    `T + j`, as SpecForge's TTT attention does.
+
+    Args:
+        query: `[B, h, T, D]` (rotated); key, value: `[B, kv, (j + 1) * T, D]`, sets `0 .. j` in order (`h` a
+            multiple of `kv`); attention_mask: the dense mask, not read (the pattern is the unroll's).
+    Returns:
+        `[B, T, h, D]` and no weights, as transformers' attention functions return them.
+    """
+    batch, heads, length, dim = query.shape
+    kv_heads, steps = key.shape[1], key.shape[2] // length
+    if steps * length != key.shape[2] or dropout:
+        raise ValueError(f"unrolled attention takes whole input sets of {length} keys and no dropout, got "
+                         f"{key.shape[2]} keys and dropout {dropout}")
+    step = steps - 1
+    scaling = dim ** -0.5 if scaling is None else scaling
+    if step == 0:  # plain causal attention over the committed context
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                             enable_gqa=heads != kv_heads)
+        return out.transpose(1, 2).contiguous(), None
+    q = (query * scaling).view(batch, kv_heads, heads // kv_heads, length, dim)
+    keys = key.view(batch, kv_heads, 1, steps, length, dim)
+    values = value.view(batch, kv_heads, 1, steps, length, dim)
+    t = torch.arange(length, device=query.device)
+    scores = [torch.matmul(q, keys[:, :, :, 0].transpose(-1, -2))  # [B, kv, g, T, T]
+              .masked_fill(t[None, :] > t[:, None] - step, float("-inf"))]
+    fed_values = []
+    for i in range(1, steps):  # set i at position t - (j - i): its rows shifted down by j - i
+        shift = step - i
+        k_i = F.pad(keys[:, :, :, i], (0, 0, shift, 0))[..., :length, :]
+        fed_values.append(F.pad(values[:, :, :, i], (0, 0, shift, 0))[..., :length, :])
+        scores.append((q * k_i).sum(-1, keepdim=True).masked_fill((t < shift)[:, None], float("-inf")))
+    scores = torch.cat(scores, dim=-1)  # [B, kv, g, T, T + j]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value.dtype)
+    out = torch.matmul(probs[..., :length], values[:, :, :, 0])  # [B, kv, g, T, D]
+    for i, v_i in enumerate(fed_values):
+        out = out + probs[..., length + i: length + i + 1] * v_i
+    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+UNROLLED_ATTENTION = "poss_unrolled"
+AttentionInterface.register(UNROLLED_ATTENTION, unrolled_attention)
+
+
+@contextmanager
+def sparse_unrolled_attention(drafter: PosSDrafter):
+    """Within it, the specialists of a `LEAN_FAMILIES` layer family (plain softmax attention) attend through
+    `unrolled_attention`; other families keep their dense masked attention."""
+    configs = {id(layer.self_attn.config): layer.self_attn.config for layer in drafter.specialists}.values()
+    if drafter.config.layer_family not in LEAN_FAMILIES:
+        yield
+        return
+    previous = [config._attn_implementation for config in configs]
+    try:
+        for config in configs:
+            config._attn_implementation = UNROLLED_ATTENTION
+        yield
+    finally:
+        for config, implementation in zip(configs, previous):
+            config._attn_implementation = implementation
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """`-(p * log_softmax(z)).sum(-1)` per row, without keeping `log_softmax(z)` or `p * log_softmax(z)`: the loss is
+    `logsumexp(z) * sum(p) - p . z` and its gradient `(softmax(z) * sum(p) - p) * g`."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)  # [N]
+        mass = probs.sum(-1)  # [N], 1 for a distribution
+        with torch.autocast(logits.device.type, enabled=False):  # in the logits' precision
+            dot = torch.bmm(probs[:, None, :], logits[:, :, None]).view(-1)  # [N]: p . z without an [N, V] product
+        ctx.save_for_backward(logits, probs, lse, mass)
+        return lse * mass - dot
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, probs, lse, mass = ctx.saved_tensors
+        grad_logits = logits.sub(lse[:, None]).exp_()
+        grad_logits.mul_((grad * mass)[:, None]).addcmul_(probs, grad[:, None], value=-1.0)
+        return grad_logits, None
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy `[N]` of draft logits `[N, V]` against target probabilities `[N, V]` (no gradient to them)."""
+    return _SoftCrossEntropy.apply(logits, probs.detach())
 
 
 class _KVSets:
@@ -178,7 +273,8 @@ def unrolled_forward(
             _record_sets(drafter, specialist, sets[store.sets: step], store)
         sets.append(layer_inputs)
         mask = additive_mask(unrolled_allowed(length, step, layer_inputs.device), layer_inputs.dtype)
-        predictions.append(drafter.run_specialist(specialist, layer_inputs, positions, mask, cache=store))
+        with sparse_unrolled_attention(drafter):
+            predictions.append(drafter.run_specialist(specialist, layer_inputs, positions, mask, cache=store))
         store.sets += 1
     return predictions
 
@@ -286,8 +382,9 @@ class UnrolledObjective(nn.Module):
         total = torch.zeros((), device=device)
         feature_losses, soft_ces, corrects, top_k_hits, counts = [], [], [], [], []
         for step, predicted in enumerate(predictions):
-            keep = cols >= step  # a committed context exists
-            pred = predicted[rows[keep], cols[keep]]
+            # every step scores all N trained rows and weighs out those without a committed context (t < step: at
+            # most `step` rows a sequence), sparing an [N, V'] copy of the target's probabilities per step
+            keep = (cols >= step).float()  # [N]
             n = int(keep.sum())
             if n == 0:
                 zero = predicted.sum() * 0.0  # keeps every parameter in the graph (DDP)
@@ -298,20 +395,21 @@ class UnrolledObjective(nn.Module):
                 top_k_hits.append(torch.zeros((), device=device))
                 counts.append(torch.zeros((), device=device))
                 continue
+            pred = predicted[rows, cols]  # [N, H]
             logits = drafter.logits(pred).float()
-            token_ce = -(target_probs[keep] * torch.log_softmax(logits, dim=-1)).sum(-1)  # [n]
+            token_ce = soft_cross_entropy(logits, target_probs)  # [N]
             if not feature_loss_trained:
                 feature_loss = torch.zeros((), device=device)
-                weights = in_draft_vocab[keep].float()
+                weights = keep * in_draft_vocab.float()
                 soft_ce = (token_ce * weights).sum() / weights.sum().clamp(min=1.0)
                 total = total + EAGLE3_STEP_DECAY ** step * soft_ce
             else:
-                feature_loss = F.smooth_l1_loss(pred.float(), goal[keep], reduction="none").mean(-1).mean()
-                soft_ce = token_ce.mean()
+                feature_loss = (F.smooth_l1_loss(pred.float(), goal, reduction="none").mean(-1) * keep).sum() / n
+                soft_ce = (token_ce * keep).sum() / n
                 total = total + feature_loss + self.soft_ce_weight * soft_ce
             with torch.no_grad():
                 best = drafter.to_target_ids(logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).indices)
-                hits = best == greedy[keep][:, None]  # [n, k], best first
+                hits = (best == greedy[:, None]) & keep.bool()[:, None]  # [N, k], best first
                 corrects.append(hits[:, 0].sum().float())
                 top_k_hits.append(hits.any(-1).sum().float())
             feature_losses.append(feature_loss.detach())
