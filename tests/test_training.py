@@ -211,6 +211,13 @@ def test_soft_cross_entropy_matches_the_log_softmax_form():
         fused32 = soft_cross_entropy(logits.float() * 10, probs.float())
     torch.testing.assert_close(fused32, -(probs * torch.log_softmax(logits * 10, -1)).sum(-1).float(),
                                rtol=1e-6, atol=1e-5)
+    # bfloat16 logits (a head under bf16 autocast): computed as float32 of them, the gradient back in bfloat16
+    low = (logits.detach() * 10).bfloat16().requires_grad_()
+    (low_grad,) = torch.autograd.grad(soft_cross_entropy(low, probs.float()).sum(), low)
+    wide = low.detach().float().requires_grad_()
+    (wide_grad,) = torch.autograd.grad(-(probs.float() * torch.log_softmax(wide, -1)).sum(), wide)
+    assert low_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(low_grad, wide_grad.bfloat16(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family,num_specialists,k,feature_layers,shared", [

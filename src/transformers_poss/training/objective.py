@@ -22,8 +22,9 @@ each once, as their SpecForge fork's TTT keeps them (`cache_hidden`).
 
 That is, position by position, what `DraftSession` feeds the same specialist at depth `j + 1` (test:
 `tests/test_training.py::test_unrolled_steps_equal_inference_drafting`). Queries with `t < j` have no committed
-context and are not trained. Attention is dense over the `(j + 1) * T` keys (SDPA/eager with an additive mask);
-a specialist that joins at step `j` first records keys/values of sets `0 .. j-1` with a projection-only pass.
+context and are not trained. A query reads `T + j` of the `(j + 1) * T` keys (`unrolled_attention`, for layer
+families of plain softmax attention; others attend densely under an additive mask); a specialist that joins at step
+`j` first records keys/values of sets `0 .. j-1` with a projection-only pass.
 
 Trained rows (`trained_rows`): HASS/PosS train position `t` when the token it drafts, `x_{t+2}`, is an assistant
 token (`loss_rows="drafted-token"`); SpecForge's EAGLE-3 trains it when `x_t` is (`loss_rows="state-token"`: the
@@ -153,28 +154,28 @@ def sparse_unrolled_attention(drafter: PosSDrafter):
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """`-(p * log_softmax(z)).sum(-1)` per row, without keeping `log_softmax(z)` or `p * log_softmax(z)`: the loss is
-    `logsumexp(z) * sum(p) - p . z` and its gradient `(softmax(z) * sum(p) - p) * g`."""
+    """`-(p * log_softmax(z)).sum(-1)` per row in float32 (or wider), in few passes over the `[N, V]` rows (each a fused kernel
+    that reads a row once): `log_softmax` (kept for the gradient `(softmax(z) * sum(p) - p) * g`), then `p . log q`."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits, dim=-1)  # [N]
-        mass = probs.sum(-1)  # [N], 1 for a distribution
-        with torch.autocast(logits.device.type, enabled=False):  # in the logits' precision
-            dot = torch.bmm(probs[:, None, :], logits[:, :, None]).view(-1)  # [N]: p . z without an [N, V] product
-        ctx.save_for_backward(logits, probs, lse, mass)
-        return lse * mass - dot
+        log_q = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # [N, V]
+        with torch.autocast(logits.device.type, enabled=False):  # in float32
+            loss = -torch.bmm(probs[:, None, :], log_q[:, :, None]).view(-1)  # [N], without an [N, V] product
+        ctx.save_for_backward(log_q, probs)
+        ctx.logits_dtype = logits.dtype
+        return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, probs, lse, mass = ctx.saved_tensors
-        grad_logits = logits.sub(lse[:, None]).exp_()
-        grad_logits.mul_((grad * mass)[:, None]).addcmul_(probs, grad[:, None], value=-1.0)
-        return grad_logits, None
+        log_q, probs = ctx.saved_tensors
+        grad_logits = log_q.exp().mul_((grad * probs.sum(-1))[:, None]).addcmul_(probs, grad[:, None], value=-1.0)
+        return grad_logits.to(ctx.logits_dtype), None
 
 
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy `[N]` of draft logits `[N, V]` against target probabilities `[N, V]` (no gradient to them)."""
+    """Cross-entropy `[N]` (float32) of draft logits `[N, V]` (any float dtype) against target probabilities `[N, V]`
+    (float32; no gradient to them)."""
     return _SoftCrossEntropy.apply(logits, probs.detach())
 
 
@@ -396,8 +397,8 @@ class UnrolledObjective(nn.Module):
                 counts.append(torch.zeros((), device=device))
                 continue
             pred = predicted[rows, cols]  # [N, H]
-            logits = drafter.logits(pred).float()
-            token_ce = soft_cross_entropy(logits, target_probs)  # [N]
+            logits = drafter.logits(pred)  # [N, V'], bfloat16 under bf16 autocast
+            token_ce = soft_cross_entropy(logits, target_probs)  # [N], float32
             if not feature_loss_trained:
                 feature_loss = torch.zeros((), device=device)
                 weights = keep * in_draft_vocab.float()
