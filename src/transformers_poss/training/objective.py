@@ -139,10 +139,10 @@ AttentionInterface.register(UNROLLED_ATTENTION, unrolled_attention)
 def sparse_unrolled_attention(drafter: PosSDrafter):
     """Within it, the specialists of a `LEAN_FAMILIES` layer family (plain softmax attention) attend through
     `unrolled_attention`; other families keep their dense masked attention."""
-    configs = {id(layer.self_attn.config): layer.self_attn.config for layer in drafter.specialists}.values()
     if drafter.config.layer_family not in LEAN_FAMILIES:
         yield
         return
+    configs = list({id(layer.self_attn.config): layer.self_attn.config for layer in drafter.specialists}.values())
     previous = [config._attn_implementation for config in configs]
     try:
         for config in configs:
@@ -154,8 +154,9 @@ def sparse_unrolled_attention(drafter: PosSDrafter):
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """`-(p * log_softmax(z)).sum(-1)` per row in float32 (or wider), in few passes over the `[N, V]` rows (each a fused kernel
-    that reads a row once): `log_softmax` (kept for the gradient `(softmax(z) * sum(p) - p) * g`), then `p . log q`."""
+    """`-(p * log_softmax(z)).sum(-1)` per row in float32 (or wider), in few passes over the `[N, V]` rows, each a
+    fused kernel that reads a row once: `log_softmax` (kept for the gradient `(softmax(z) * sum(p) - p) * g`), then
+    `p . log q`."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
